@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from numbers import Real
 from typing import Any
 
 import chex
@@ -112,10 +111,31 @@ def _as_overflow(overflow: ArrayLike) -> jax.Array:
 # Validation helpers: every bad hyperparameter raises at construction time.
 
 
+def _concrete(name: str, value: Any) -> Any:
+    """``value`` as a Python ``int``/``float``/``bool`` if it is a concrete 0-d scalar.
+
+    Python numbers, NumPy scalars and 0-d NumPy or JAX arrays are accepted alike
+    (``np.float64(1024)``, ``jnp.float32(1024)``); a traced value is refused
+    (hyperparameters are static: build policies outside ``jit``).
+    """
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a concrete number, got a traced value ({value.aval}): "
+            "hyperparameters are static Python values; build the policy outside "
+            "jax.jit/grad/vmap."
+        )
+    if isinstance(value, bool | int | float | np.number | np.bool_):
+        return value.item() if isinstance(value, np.generic) else value
+    if isinstance(value, np.ndarray | jax.Array) and np.shape(value) == ():
+        return np.asarray(value).item()
+    return value
+
+
 def _check_real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real | np.floating | np.integer):
+    v = _concrete(name, value)
+    if isinstance(v, bool) or not isinstance(v, int | float):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
-    return float(value)
+    return float(v)
 
 
 def _check_positive_finite(name: str, value: Any) -> float:
@@ -130,28 +150,68 @@ def _check_positive_finite(name: str, value: Any) -> float:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    v = _concrete(name, value)
+    if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
-    if not minimum <= int(value) <= _I32_MAX:
+    if not minimum <= v <= _I32_MAX:
         raise ValueError(f"{name} must be an int in [{minimum}, {_I32_MAX}], got {value!r}.")
-    return int(value)
+    return v
 
 
 def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool | np.bool_):
+    v = _concrete(name, value)
+    if not isinstance(v, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__}).")
-    return bool(value)
+    return v
 
 
-def _check_growth_rule(growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
-    """The factors and interval every dynamic policy shares."""
+def _store(policy: LossScalePolicy, **values: Any) -> None:
+    """Sets validated hyperparameters on a frozen policy as plain Python values.
+
+    A policy is hashable and static: a NumPy or JAX scalar given by the user is
+    kept as the Python number it stands for.
+    """
+    for name, value in values.items():
+        object.__setattr__(policy, name, value)
+
+
+def _check_growth_rule(
+    growth_factor: Any, backoff_factor: Any, growth_interval: Any
+) -> tuple[float, float, int]:
+    """The factors and interval every dynamic policy shares, as Python numbers."""
     growth = _check_real("growth_factor", growth_factor)
     if not (math.isfinite(growth) and growth > 1.0):
         raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}.")
     backoff = _check_real("backoff_factor", backoff_factor)
     if not 0.0 < backoff < 1.0:
         raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}.")
-    _check_int("growth_interval", growth_interval, 1)
+    return growth, backoff, _check_int("growth_interval", growth_interval, 1)
+
+
+def _clamp(scale: jax.Array, min_scale: float, max_scale: float) -> jax.Array:
+    """``scale`` moved into ``[min_scale, max_scale]`` (float32); nan goes to ``min_scale``.
+
+    The identity on every finite scale already in the range, so a state the
+    policy produced itself steps exactly as before.
+    """
+    lo = jnp.asarray(min_scale, jnp.float32)
+    hi = jnp.asarray(min(max_scale, _F32_MAX), jnp.float32)
+    return jnp.where(scale >= lo, jnp.minimum(scale, hi), lo)
+
+
+def _with_scale(state: LossScaleState, scale: jax.Array) -> LossScaleState:
+    """``state`` at ``scale``; the counters since the last change restart if it moved.
+
+    Every other field (telemetry, flags) is kept.
+    """
+    scale = jnp.asarray(scale, jnp.float32)
+    moved = jnp.logical_not(scale == state.scale)  # nan in the old state counts as moved
+    zero = jnp.zeros([], jnp.int32)
+    return state.replace(
+        scale=scale,
+        growth_count=jnp.where(moved, zero, state.growth_count),
+        hysteresis_count=jnp.where(moved, zero, state.hysteresis_count),
+    )
 
 
 # --------------------------------------------------------------------------
@@ -162,15 +222,36 @@ class LossScalePolicy:
     """Base class of loss-scale policies.
 
     A policy is immutable and hashable; its hyperparameters are static Python
-    values. Subclasses implement ``init`` and ``adjust``.
+    values. Subclasses implement ``init``, ``adjust`` and ``conform``;
+    ``adjust`` obeys the policy whatever state it is given (a state restored
+    from a checkpoint, or made by another policy): its result is always a
+    state this policy can hold.
     """
 
     def init(self) -> LossScaleState:
+        """A fresh state at the policy's starting scale, every counter at zero."""
         raise NotImplementedError
 
     def adjust(self, state: LossScaleState, overflow: ArrayLike) -> LossScaleState:
         """The state after one step whose (reduced) overflow flag is ``overflow``."""
         raise NotImplementedError
+
+    def conform(self, state: LossScaleState) -> LossScaleState:
+        """``state`` moved to where this policy keeps it, without taking a step.
+
+        Rule::
+
+          scale = the nearest scale this policy can hold (see each policy)
+          if scale moved: growth_count = hysteresis_count = 0
+          every other field (telemetry, flags) is kept
+
+        ``lossscale_jax.switch_policy`` applies it to an optimizer state. A
+        state the policy produced itself comes back unchanged.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement conform(state); a LossScalePolicy "
+            "subclass needs it for switch_policy and the checkpoint checks."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +260,7 @@ class NoScale(LossScalePolicy):
 
     Rule::
 
-      scale = 1
+      scale = 1                       # also for a state made by another policy
       skipped = overflow and skip_on_overflow
 
     Args:
@@ -195,7 +276,7 @@ class NoScale(LossScalePolicy):
     skip_on_overflow: bool = False
 
     def __post_init__(self) -> None:
-        _check_bool("skip_on_overflow", self.skip_on_overflow)
+        _store(self, skip_on_overflow=_check_bool("skip_on_overflow", self.skip_on_overflow))
 
     def init(self) -> LossScaleState:
         return initial_state(1.0)
@@ -203,7 +284,11 @@ class NoScale(LossScalePolicy):
     def adjust(self, state: LossScaleState, overflow: ArrayLike) -> LossScaleState:
         overflow = _as_overflow(overflow)
         skipped = jnp.logical_and(overflow, self.skip_on_overflow)
-        return _record(state, overflow, skipped, stuck=overflow)
+        return _record(state, overflow, skipped, stuck=overflow, scale=jnp.ones([], jnp.float32))
+
+    def conform(self, state: LossScaleState) -> LossScaleState:
+        """``state`` at scale 1 (see ``LossScalePolicy.conform``)."""
+        return _with_scale(state, jnp.ones([], jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,11 +297,14 @@ class StaticScale(LossScalePolicy):
 
     Rule::
 
-      scale never changes
+      scale = the policy's scale      # also for a state made by another policy
       skipped = overflow and skip_on_overflow
 
-    The value lives in the state (a traced float32), so a different value or a
-    restored state runs through the same compiled step.
+    The scale lives in the state (a float32 array), which ``scale_loss`` and
+    the unscale read. A state made with another scale (restored from a
+    checkpoint, or by another policy) still unscales its first step with the
+    scale its gradients were computed with; ``adjust`` then writes the
+    policy's own. ``lossscale_jax.switch_policy`` moves it before that step.
 
     Args:
       scale: the loss scale, a finite float > 0.
@@ -232,8 +320,11 @@ class StaticScale(LossScalePolicy):
     skip_on_overflow: bool = True
 
     def __post_init__(self) -> None:
-        _check_positive_finite("scale", self.scale)
-        _check_bool("skip_on_overflow", self.skip_on_overflow)
+        _store(
+            self,
+            scale=_check_positive_finite("scale", self.scale),
+            skip_on_overflow=_check_bool("skip_on_overflow", self.skip_on_overflow),
+        )
 
     def init(self) -> LossScaleState:
         return initial_state(self.scale)
@@ -241,7 +332,12 @@ class StaticScale(LossScalePolicy):
     def adjust(self, state: LossScaleState, overflow: ArrayLike) -> LossScaleState:
         overflow = _as_overflow(overflow)
         skipped = jnp.logical_and(overflow, self.skip_on_overflow)
-        return _record(state, overflow, skipped, stuck=overflow)
+        own = jnp.asarray(self.scale, jnp.float32)
+        return _record(state, overflow, skipped, stuck=overflow, scale=own)
+
+    def conform(self, state: LossScaleState) -> LossScaleState:
+        """``state`` at the policy's scale (see ``LossScalePolicy.conform``)."""
+        return _with_scale(state, jnp.asarray(self.scale, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +370,12 @@ class DynamicScale(LossScalePolicy):
     scale next changes (a backoff or a growth), whatever good steps lie
     between them. With ``hysteresis=1`` both modes back off on every
     overflow. All arithmetic is float32, like the state.
+
+    The new scale is always in ``[min_scale, max_scale]``: a state whose scale
+    lies outside (restored from a checkpoint, or made by another policy) is
+    brought into the range by its next step, ``scale = clip(scale,
+    min_scale, max_scale)`` after the rule above (nan goes to ``min_scale``).
+    For a state inside the range that clip changes nothing.
 
     With ``sticky_hysteresis=True`` a backoff does not reset the overflow
     count: once ``hysteresis`` overflows have been counted, every further
@@ -330,9 +432,11 @@ class DynamicScale(LossScalePolicy):
 
     def __post_init__(self) -> None:
         init_scale = _check_positive_finite("init_scale", self.init_scale)
-        _check_growth_rule(self.growth_factor, self.backoff_factor, self.growth_interval)
-        _check_int("hysteresis", self.hysteresis, 1)
-        _check_bool("consecutive_hysteresis", self.consecutive_hysteresis)
+        growth, backoff, interval = _check_growth_rule(
+            self.growth_factor, self.backoff_factor, self.growth_interval
+        )
+        hysteresis = _check_int("hysteresis", self.hysteresis, 1)
+        consecutive = _check_bool("consecutive_hysteresis", self.consecutive_hysteresis)
         min_scale = _check_positive_finite("min_scale", self.min_scale)
         max_scale = _check_real("max_scale", self.max_scale)
         if math.isnan(max_scale) or max_scale <= 0.0:
@@ -346,7 +450,7 @@ class DynamicScale(LossScalePolicy):
                 f"init_scale must be in [min_scale, max_scale] = "
                 f"[{self.min_scale!r}, {self.max_scale!r}], got {self.init_scale!r}."
             )
-        _check_bool("sticky_hysteresis", self.sticky_hysteresis)
+        sticky = _check_bool("sticky_hysteresis", self.sticky_hysteresis)
         if self.growth_overflow not in _GROWTH_OVERFLOW:
             raise ValueError(
                 f"growth_overflow must be one of {_GROWTH_OVERFLOW}, got {self.growth_overflow!r}."
@@ -355,6 +459,18 @@ class DynamicScale(LossScalePolicy):
             raise ValueError(
                 f"growth_overflow='clamp' needs a finite max_scale, got {self.max_scale!r}."
             )
+        _store(
+            self,
+            init_scale=init_scale,
+            growth_factor=growth,
+            backoff_factor=backoff,
+            growth_interval=interval,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            sticky_hysteresis=sticky,
+        )
 
     def init(self) -> LossScaleState:
         return initial_state(self.init_scale)
@@ -391,15 +507,24 @@ class DynamicScale(LossScalePolicy):
         at_floor = scale <= jnp.asarray(self.min_scale, f32)
         if self.sticky_hysteresis:
             at_floor = jnp.logical_and(at_floor, backoff)
+        new_scale = jnp.where(overflow, bad_scale, good_scale)
         return _record(
             state,
             overflow,
             overflow,
             stuck=jnp.logical_and(overflow, at_floor),
-            scale=jnp.where(overflow, bad_scale, good_scale),
+            scale=_clamp(new_scale, self.min_scale, self.max_scale),
             growth_count=jnp.where(overflow, zero, good_growth),
             hysteresis_count=jnp.where(overflow, bad_hyst, good_hyst),
         )
+
+    def conform(self, state: LossScaleState) -> LossScaleState:
+        """``state`` with its scale clipped into ``[min_scale, max_scale]`` (nan: ``min_scale``).
+
+        See ``LossScalePolicy.conform``: a scale inside the range is kept, so a
+        run continues from where it is rather than from ``init_scale``.
+        """
+        return _with_scale(state, _clamp(state.scale, self.min_scale, self.max_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,8 +586,10 @@ class TolerantDynamicScale(LossScalePolicy):
     max_scale: float = 2.0**24
 
     def __post_init__(self) -> None:
-        _check_positive_finite("init_scale", self.init_scale)
-        _check_growth_rule(self.growth_factor, self.backoff_factor, self.growth_interval)
+        init_scale = _check_positive_finite("init_scale", self.init_scale)
+        growth, backoff, interval = _check_growth_rule(
+            self.growth_factor, self.backoff_factor, self.growth_interval
+        )
         tolerance = _check_real("overflow_tolerance", self.overflow_tolerance)
         if not 0.0 <= tolerance <= 1.0:
             raise ValueError(
@@ -475,6 +602,16 @@ class TolerantDynamicScale(LossScalePolicy):
                 f"max_scale must be >= min_scale ({self.min_scale!r}) (or inf), "
                 f"got {self.max_scale!r}."
             )
+        _store(
+            self,
+            init_scale=init_scale,
+            growth_factor=growth,
+            backoff_factor=backoff,
+            growth_interval=interval,
+            overflow_tolerance=tolerance,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
 
     def init(self) -> LossScaleState:
         return initial_state(self.init_scale)
@@ -502,7 +639,7 @@ class TolerantDynamicScale(LossScalePolicy):
         steps = jnp.where(grow, zero, steps)
         overflows = jnp.where(grow, zero, overflows)
 
-        new_scale = jnp.minimum(jnp.maximum(scale_g, lo), hi)
+        new_scale = _clamp(scale_g, self.min_scale, self.max_scale)
         stuck = jnp.logical_and(overflow, jnp.logical_and(backoff, scale <= lo))
         return _record(
             state,
@@ -513,3 +650,16 @@ class TolerantDynamicScale(LossScalePolicy):
             growth_count=steps,
             hysteresis_count=overflows,
         )
+
+    def conform(self, state: LossScaleState) -> LossScaleState:
+        """``state`` with its scale clipped into ``[min_scale, max_scale]``.
+
+        A state that has not stepped yet at ``init_scale`` is kept as it is:
+        ``init_scale`` may lie outside the range until the first update clips
+        it (see above). Otherwise as ``DynamicScale.conform``.
+        """
+        fresh = jnp.logical_and(
+            state.total_steps == 0, state.scale == jnp.asarray(self.init_scale, jnp.float32)
+        )
+        clipped = _clamp(state.scale, self.min_scale, self.max_scale)
+        return _with_scale(state, jnp.where(fresh, state.scale, clipped))
