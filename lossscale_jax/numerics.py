@@ -17,6 +17,9 @@ OverflowMode = Literal["ieee", "saturating", "both"]
 OVERFLOW_MODES: tuple[str, ...] = ("ieee", "saturating", "both")
 
 _FLOAT16_FAMILY = (jnp.float16,)
+# The dtypes a backward pass can compute in for loss scaling: their finfo.max is
+# the value a saturating device writes, representable in every leaf dtype checked.
+COMPUTE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 
 def validate_overflow_mode(mode: Any) -> str:
@@ -27,7 +30,12 @@ def validate_overflow_mode(mode: Any) -> str:
 
 
 def validate_compute_dtype(compute_dtype: Any) -> np.dtype:
-    """Returns ``compute_dtype`` as a NumPy dtype if it is a floating dtype."""
+    """Returns ``compute_dtype`` as a NumPy dtype if it is float16, bfloat16 or float32.
+
+    float64 (also Python ``float``) is refused: no float16/bfloat16/float32
+    gradient reaches its ``finfo.max``, so the saturating check could never
+    fire. float8/float4 are refused: 65504 is not representable in them.
+    """
     try:
         dtype = np.dtype(compute_dtype)
     except TypeError as e:
@@ -37,6 +45,12 @@ def validate_compute_dtype(compute_dtype: Any) -> np.dtype:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"compute_dtype must be a floating dtype such as jnp.float16, got {dtype.name}."
+        )
+    if dtype.name not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"compute_dtype must be one of {COMPUTE_DTYPES} (the dtype of the backward pass), "
+            f"got {dtype.name}: with float64 the saturating check can never fire, and "
+            "float8/float4 cannot represent finfo(float16).max."
         )
     return dtype
 
@@ -145,8 +159,47 @@ def _unscale_leaf(g: Any, inv_scale: jax.Array, p: Any = None) -> Any:
     return (g.astype(work) * inv_scale.astype(work)).astype(dtype)
 
 
+def _valid_scale(scale: ArrayLike) -> jax.Array:
+    """``scale`` as a float32 scalar; a host value that is not finite and > 0 raises.
+
+    A Python or NumPy value is checked here (``ValueError``). A JAX array is
+    not read back to the host (that would be a host sync): its validity is
+    computed on the device, see ``_inverse`` and ``_scale_is_bad``.
+    """
+    if not isinstance(scale, jax.Array):
+        host = np.asarray(scale)
+        if host.dtype == np.bool_ or not (
+            np.issubdtype(host.dtype, np.floating) or np.issubdtype(host.dtype, np.integer)
+        ):
+            raise TypeError(f"scale must be a real number, got {scale!r}.")
+        if host.shape != ():
+            raise ValueError(f"scale must be a scalar, got shape {host.shape}.")
+        value = float(host)
+        if not (np.isfinite(value) and value > 0.0 and np.float32(value) > 0.0):
+            raise ValueError(
+                f"scale must be a finite number > 0, got {scale!r}: unscaling by it would "
+                "return inf, nan or sign-flipped gradients."
+            )
+    arr = jnp.asarray(scale, jnp.float32)
+    if arr.shape != ():
+        raise ValueError(f"scale must be a scalar, got shape {arr.shape}.")
+    return arr
+
+
+def _scale_is_bad(scale: jax.Array) -> jax.Array:
+    """A scalar bool: ``scale`` (float32) is not a finite number > 0."""
+    return jnp.logical_not(jnp.logical_and(scale > 0.0, jnp.isfinite(scale)))
+
+
 def _inverse(scale: ArrayLike) -> jax.Array:
-    return 1.0 / jnp.asarray(scale, jnp.float32)
+    """``1 / scale`` in float32, or nan when ``scale`` is not finite and > 0.
+
+    nan makes every unscaled gradient nan, which every check sees, instead of
+    inf (scale 0), zeros (scale inf) or sign-flipped gradients (scale < 0).
+    For a valid scale the value is exactly ``1 / scale``.
+    """
+    scale = _valid_scale(scale)
+    return jnp.where(_scale_is_bad(scale), jnp.float32(jnp.nan), 1.0 / scale)
 
 
 def unscale(grads: Any, scale: ArrayLike, params: Any = None) -> Any:
@@ -158,6 +211,11 @@ def unscale(grads: Any, scale: ArrayLike, params: Any = None) -> Any:
     float32 and other leaves keep their dtype. The division is done in at
     least float32.
 
+    The scale must be finite and > 0. A Python or NumPy scale that is not
+    raises ``ValueError``; a JAX array is not read back to the host, and a bad
+    one (0, negative, inf, nan) makes every unscaled gradient nan, so that any
+    overflow check downstream sees it.
+
     Args:
       grads: a pytree of scaled gradients.
       scale: the loss scale (a scalar).
@@ -165,6 +223,10 @@ def unscale(grads: Any, scale: ArrayLike, params: Any = None) -> Any:
 
     Returns:
       The unscaled gradients.
+
+    Raises:
+      ValueError: if ``scale`` is a host number that is not finite and > 0, or
+        not a scalar.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -195,6 +257,10 @@ def unscale_and_check(
     the same leaf, so under ``jit`` XLA is free to fuse them with the
     gradient's producer or consumer.
 
+    A scale that is not finite and > 0 raises ``ValueError`` when it is a
+    Python or NumPy number; a JAX array one counts as an overflow (the step is
+    skipped in every mode) and its unscaled gradients are nan.
+
     Args:
       grads: a pytree of scaled gradients.
       scale: the loss scale.
@@ -204,9 +270,23 @@ def unscale_and_check(
 
     Returns:
       ``(unscaled_grads, overflow)`` with ``overflow`` a scalar bool array.
+
+    Raises:
+      ValueError: if ``scale`` is a host number that is not finite and > 0.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale_jax as lsj
+      >>> g = {"w": jnp.array([2.0, 4.0], jnp.float16)}
+      >>> grads, overflow = lsj.unscale_and_check(g, 4.0)
+      >>> grads["w"], bool(overflow)
+      (Array([0.5, 1. ], dtype=float32), False)
+      >>> bool(lsj.unscale_and_check(g, jnp.float32(0.0))[1])   # a bad device scale
+      True
     """
     mode = validate_overflow_mode(mode)
     threshold = _threshold(compute_dtype)
+    scale = _valid_scale(scale)
     inv = _inverse(scale)
     flags: list[jax.Array] = []
 
@@ -221,4 +301,4 @@ def unscale_and_check(
         out = jax.tree_util.tree_map(leaf, grads)
     else:
         out = jax.tree_util.tree_map(leaf, grads, params)
-    return out, _reduce_any(flags)
+    return out, jnp.logical_or(_reduce_any(flags), _scale_is_bad(scale))
