@@ -21,6 +21,7 @@ from lossscale_jax.transform import (
     metrics,
     reduce_overflow,
     scale_loss,
+    switch_policy,
 )
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "restore_flax",
     "restore_orbax",
     "scale_loss",
+    "switch_policy",
     "testing",
     "unscale",
     "unscale_and_check",

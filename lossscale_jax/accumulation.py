@@ -9,9 +9,19 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lossscale_jax import numerics, stuck
+from lossscale_jax import numerics, stuck, transform
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, _check_int
-from lossscale_jax.transform import AxisName, _validate_axis_name, reduce_overflow
+from lossscale_jax.transform import (
+    AxisName,
+    LossScalingState,
+    _validate_axes,
+    check_mapped_axes,
+    match_varying,
+    reduce_overflow,
+    refuse_nested_inner,
+    refuse_nested_state,
+    skip_updates,
+)
 
 
 class LossScalingMultiStepsState(NamedTuple):
@@ -33,6 +43,67 @@ class LossScalingMultiStepsState(NamedTuple):
     inner_state: optax.OptState
 
 
+transform.OWNER_TYPES.append(LossScalingMultiStepsState)
+
+
+class StepOutcome(NamedTuple):
+    """What one update did, read from the new optimizer state (scalar bools).
+
+    Attributes:
+      completed: an optimizer step ended with this call (every call of
+        ``loss_scaling``; the last micro-batch of a window of
+        ``loss_scaling_multi_steps``), applied or skipped.
+      applied: the update of that step was applied to the parameters.
+      discard: what this call's forward pass wrote into model collections
+        (e.g. ``batch_stats``) must not persist.
+    """
+
+    completed: jax.Array
+    applied: jax.Array
+    discard: jax.Array
+
+
+def step_outcome(opt_state: Any) -> StepOutcome:
+    """Reads from a new optimizer state what the update that produced it did.
+
+    Rule::
+
+      loss_scaling:              completed = True
+                                 applied   = not last_skipped
+                                 discard   = last_skipped
+      loss_scaling_multi_steps:  completed = mini_step == 0         # a window just ended
+                                 applied   = completed and not last_skipped
+                                 discard   = window_overflow        # sticky: from the first
+                                             or (completed and last_skipped)  # bad micro-batch
+                                                                    # to the window's end
+
+    In a skipped window, the collections written by the micro-batches before
+    the first overflowing one persist (their forward passes were good; only
+    the optimizer step is skipped); from that micro-batch to the window's end
+    nothing persists.
+
+    Raises:
+      ValueError: as ``get_loss_scale_state``, or if the state holds a bare
+        ``LossScaleState`` (no loss-scaling transformation made it).
+    """
+    loss_scale, owner = transform.locate(opt_state)
+    skipped = loss_scale.last_skipped
+    if isinstance(owner, LossScalingState):
+        true = jnp.ones([], jnp.bool_)
+        return StepOutcome(true, jnp.logical_not(skipped), skipped)
+    if isinstance(owner, LossScalingMultiStepsState):
+        ended = owner.mini_step == 0
+        return StepOutcome(
+            completed=ended,
+            applied=jnp.logical_and(ended, jnp.logical_not(skipped)),
+            discard=jnp.logical_or(owner.window_overflow, jnp.logical_and(ended, skipped)),
+        )
+    raise ValueError(
+        "the optimizer state holds a bare LossScaleState, not the state of "
+        "lossscale_jax.loss_scaling or loss_scaling_multi_steps: build tx with one of them."
+    )
+
+
 def _acc_zeros(p: Any) -> jax.Array:
     if numerics._is_float(p):
         return jnp.zeros(jnp.shape(p), numerics.at_least_float32(p.dtype))
@@ -49,10 +120,12 @@ def loss_scaling_multi_steps(
     compute_dtype: Any = jnp.float16,
     axis_name: AxisName | None = None,
     on_stuck: str = "skip",
+    local_axes: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Loss scaling over windows of ``every_k`` micro-batches (gradient accumulation).
 
-    The accumulation-aware form of ``optax.MultiSteps(loss_scaling(inner, policy), k)``.
+    What ``optax.MultiSteps(loss_scaling(inner, policy), k)`` cannot do (that
+    nesting is refused, see ``get_loss_scale_state``).
     Every micro-batch's *scaled* gradient is checked as it arrives, so an
     overflow in any micro-batch skips the whole window in every mode -- also a
     saturated 65504 that the window's mean (65504 / k) would hide. The scale
@@ -65,18 +138,22 @@ def loss_scaling_multi_steps(
       if not window_overflow:
           acc_grads += grads                     # float32 at least; stays finite
       if mini_step < every_k - 1:
-          mini_step += 1; return zeros           # scale and inner state unchanged
+          mini_step += 1; return -0.0            # scale and inner state unchanged
       loss_scale = policy.adjust(loss_scale, window_overflow)
       if not loss_scale.last_skipped:
           updates, inner_state = inner.update(acc_grads / every_k, inner_state, params)
       else:
-          updates = zeros                        # the whole window is skipped
+          updates = -0.0                         # the whole window is skipped
       mini_step, window_overflow, acc_grads = 0, False, zeros
 
     The loss-scale counters (``total_steps``, ``skipped_steps``, ...) count
     windows, i.e. optimizer updates. ``scale_loss`` and ``metrics`` find the
     state as usual. With a policy that does not skip (``NoScale()``), an
-    overflowing micro-batch is still left out of the sum.
+    overflowing micro-batch is still left out of the sum. Every call that
+    applies nothing returns ``-0.0`` updates (``params + updates`` is
+    bit-identical to ``params``). ``lsj.TrainState`` and
+    ``lsj.LossScaleOptimizer`` count windows in ``step`` and discard model
+    collections from the first overflowing micro-batch to the window's end.
 
     Args:
       inner: any Optax transformation (it sees the window's mean unscaled gradient).
@@ -86,6 +163,7 @@ def loss_scaling_multi_steps(
       compute_dtype: the dtype of the backward pass (sets the saturating threshold).
       axis_name: ``pmap``/``shard_map`` axis name(s) over which the flag is reduced.
       on_stuck: ``"skip"`` or ``"error"`` (see ``loss_scaling``).
+      local_axes: mapped axes over which the flag is not reduced (see ``loss_scaling``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a
@@ -101,7 +179,11 @@ def loss_scaling_multi_steps(
       >>> u, s = tx.update({"w": jnp.array([65504.0, 4.0], jnp.float16)}, s, params)
       >>> u, s = tx.update({"w": jnp.array([4.0, 4.0], jnp.float16)}, s, params)
       >>> u["w"], bool(s.loss_scale.last_skipped)
-      (Array([0., 0.], dtype=float32), True)
+      (Array([-0., -0.], dtype=float32), True)
+
+    Raises:
+      TypeError, ValueError: for a bad argument, or when ``inner`` is itself a
+        loss-scaling transformation.
     """
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(
@@ -115,17 +197,20 @@ def loss_scaling_multi_steps(
     every_k = _check_int("every_k", every_k, 1)
     mode = numerics.validate_overflow_mode(overflow)
     compute_dtype = numerics.validate_compute_dtype(compute_dtype)
-    _validate_axis_name(axis_name)
+    reduced, local = _validate_axes(axis_name, local_axes)
     on_stuck = stuck.validate_on_stuck(on_stuck)
+    refuse_nested_inner(inner, "loss_scaling_multi_steps")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScalingMultiStepsState:
+        inner_state = inner.init(params)
+        refuse_nested_state(inner_state, "loss_scaling_multi_steps")
         return LossScalingMultiStepsState(
             loss_scale=policy.init(),
             mini_step=jnp.zeros([], jnp.int32),
             window_overflow=jnp.zeros([], jnp.bool_),
             acc_grads=jax.tree_util.tree_map(_acc_zeros, params),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
         )
 
     def update_fn(
@@ -139,6 +224,7 @@ def loss_scaling_multi_steps(
                 "state must be the LossScalingMultiStepsState made by this transformation's "
                 f"init, got {type(state).__name__}."
             )
+        check_mapped_axes(updates, reduced, local, mode, "loss_scaling_multi_steps")
         grads, found = numerics.unscale_and_check(
             updates, state.loss_scale.scale, params=params, mode=mode, compute_dtype=compute_dtype
         )
@@ -149,11 +235,18 @@ def loss_scaling_multi_steps(
                 return acc
             return acc + g.astype(acc.dtype)
 
+        def per_device(acc, g):
+            # Under shard_map each device accumulates its own gradients: the
+            # accumulator varies over the axes the gradients vary over.
+            if not numerics._is_float(g):
+                return acc
+            return match_varying(acc, jax.typeof(g))
+
         acc = lax.cond(
             window_overflow,
             lambda a, g: a,
             lambda a, g: jax.tree_util.tree_map(add, a, g),
-            state.acc_grads,
+            jax.tree_util.tree_map(per_device, state.acc_grads, grads),
             grads,
         )
 
@@ -172,7 +265,7 @@ def loss_scaling_multi_steps(
         out_shapes = jax.eval_shape(apply_inner, (mean_of(acc), state.inner_state))[0]
 
         def zeros():
-            return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+            return skip_updates(out_shapes)
 
         def finish(acc_tree):
             loss_scale = policy.adjust(state.loss_scale, window_overflow)
@@ -187,7 +280,9 @@ def loss_scaling_multi_steps(
                 loss_scale=loss_scale,
                 mini_step=jnp.zeros([], jnp.int32),
                 window_overflow=jnp.zeros([], jnp.bool_),
-                acc_grads=jax.tree_util.tree_map(jnp.zeros_like, acc_tree),
+                acc_grads=jax.tree_util.tree_map(
+                    lambda a: match_varying(jnp.zeros(a.shape, a.dtype), jax.typeof(a)), acc_tree
+                ),
                 inner_state=inner_state,
             )
 
@@ -202,4 +297,5 @@ def loss_scaling_multi_steps(
 
         return lax.cond(state.mini_step >= every_k - 1, finish, accumulate, acc)
 
+    setattr(update_fn, transform._KIND, "loss_scaling_multi_steps")
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -48,9 +48,8 @@ def apply_gradients(
 
     Call it inside your jitted step and donate ``params`` and ``opt_state``
     (``jax.jit(step, donate_argnums=...)``) so the update happens in place.
-    On a skipped step the parameters come back untouched (the Optax path adds
-    zero updates instead, which differs only in turning ``-0.0`` into
-    ``+0.0``).
+    On a skipped step the parameters come back untouched, as on the Optax
+    path (whose ``-0.0`` updates leave every parameter bit-identical).
 
     Args:
       tx: the transformation returned by ``lossscale_jax.loss_scaling`` (not

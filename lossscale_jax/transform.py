@@ -16,6 +16,10 @@ from lossscale_jax.policies import LossScalePolicy, LossScaleState
 
 AxisName = Hashable | Sequence[Hashable]
 
+# The attribute that marks the ``update`` of this library's transformations, so
+# that one cannot be wrapped in another (that would unscale twice).
+_KIND = "lossscale_jax_kind"
+
 
 class LossScalingState(NamedTuple):
     """State of :func:`loss_scaling`: the loss-scale state and the inner state."""
@@ -36,18 +40,107 @@ class _LossScalingParts(NamedTuple):
     decide: Any
 
 
-def _validate_axis_name(axis_name: Any) -> tuple[Hashable, ...] | None:
+def _validate_axis_name(axis_name: Any, what: str = "axis_name") -> tuple[Hashable, ...] | None:
     if axis_name is None:
         return None
     names = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
     if not names:
-        raise ValueError("axis_name must be a name or a non-empty tuple of names, got ().")
+        raise ValueError(f"{what} must be a name or a non-empty tuple of names, got ().")
     for n in names:
         if n is None or not isinstance(n, Hashable) or isinstance(n, bool):
             raise TypeError(
-                f"axis_name must be a hashable name or a tuple of names, got {axis_name!r}."
+                f"{what} must be a hashable name or a tuple of names, got {axis_name!r}."
             )
     return names
+
+
+def _validate_axes(axis_name: Any, local_axes: Any) -> tuple[tuple, tuple]:
+    """``(reduced, local)`` axis names, validated; the two must not overlap."""
+    reduced = _validate_axis_name(axis_name) or ()
+    local = _validate_axis_name(local_axes, "local_axes") or ()
+    both = [a for a in local if a in reduced]
+    if both:
+        raise ValueError(
+            f"local_axes and axis_name both name {both!r}: an axis is either reduced over "
+            "(axis_name) or left to each device (local_axes)."
+        )
+    return reduced, local
+
+
+def _varying_axes(x: Any) -> frozenset | None:
+    """The manual axes a value (or its abstract value) varies over, if JAX says.
+
+    ``None`` when the aval carries no such information (older JAX: ``.vma``;
+    JAX 0.10: ``.manual_axis_type.varying``).
+    """
+    vma = getattr(x, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(x, "manual_axis_type", None), "varying", None)
+    return None if vma is None else frozenset(vma)
+
+
+def check_mapped_axes(
+    updates: Any, axis_names: tuple, local_axes: tuple, mode: str, where: str
+) -> None:
+    """Refuses, at trace time, an update that would let devices disagree on the skip.
+
+    Rule (for every manual axis ``a`` bound here -- ``jax.pmap``, ``jax.shard_map``
+    -- that is in neither ``axis_names`` nor ``local_axes``)::
+
+      if JAX does not track what varies over a (pmap, shard_map(check_vma=False)):
+          raise                                # cannot tell: ask for axis_name
+      elif some gradient varies over a:   raise  # the devices decide differently
+      elif mode != "ieee":                raise  # already summed: +-65504 can cancel
+      # else: the gradients are the same on every device, so is the decision
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
+    unreduced = [a for a in manual if a not in axis_names and a not in local_axes]
+    if not unreduced:
+        return
+    varying: set = set()
+    for leaf in jax.tree_util.tree_leaves(updates):
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact):
+            varying |= _varying_axes(jax.typeof(leaf)) or frozenset()
+    for a in unreduced:
+        head = (
+            f"{where} runs under the mapped axis {a!r} (jax.pmap or jax.shard_map) but "
+            f"axis_name={_fmt_names(axis_names)} does not name it"
+        )
+        fix = (
+            f"Pass axis_name={a!r} (one scalar all-reduce, so every device takes the same "
+            f"decision; right also for gradients already averaged over {a!r}), or "
+            f"local_axes={a!r} if each device trains its own model and must decide alone."
+        )
+        tracked = a in (_varying_axes(jax.eval_shape(lambda a=a: lax.axis_index(a))) or ())
+        if not tracked:
+            raise ValueError(
+                f"{head}, and JAX does not say here whether the gradients vary over it "
+                "(jax.pmap, or jax.shard_map(check_vma=False)). If they do, devices take "
+                "different skip decisions: their states diverge, and a collective in the "
+                f"inner transformation deadlocks. {fix}"
+            )
+        if a in varying:
+            raise ValueError(
+                f"{head}, and the gradients vary over it: each device would take its own skip "
+                "decision, their states would diverge, and a collective in the inner "
+                f"transformation would deadlock. {fix}"
+            )
+        if mode != "ieee":
+            raise ValueError(
+                f"{head}, and the gradients are the same on every device (already reduced over "
+                f"{a!r}): in overflow={mode!r} mode +65504 and -65504 from different devices "
+                "can cancel in that sum, so no check can see them. Check each device's own "
+                f"gradients (differentiate with respect to lax.pcast(params, {a!r}, "
+                f"to='varying')), pass axis_name={a!r} and average inside the inner "
+                f"transformation; or pass local_axes={a!r} to accept the averaged check."
+            )
+
+
+def _fmt_names(names: tuple) -> str:
+    if not names:
+        return "None"
+    return repr(names[0]) if len(names) == 1 else repr(names)
 
 
 def reduce_overflow(overflow: ArrayLike, axis_name: AxisName | None) -> jax.Array:
@@ -94,6 +187,71 @@ def reduce_overflow(overflow: ArrayLike, axis_name: AxisName | None) -> jax.Arra
         ) from e
 
 
+def skip_updates(shapes: Any) -> Any:
+    """The updates of a skipped step: ``-0.0`` for floating leaves, 0 for others.
+
+    ``p + -0.0`` is ``p`` bit for bit for every ``p`` (``-0.0`` included), where
+    ``p + 0.0`` turns ``-0.0`` into ``+0.0``. A constant either way: free.
+    """
+
+    def leaf(s: Any) -> jax.Array:
+        if jnp.issubdtype(s.dtype, jnp.inexact):
+            return match_varying(jnp.full(s.shape, -0.0, s.dtype), s)
+        return match_varying(jnp.zeros(s.shape, s.dtype), s)
+
+    return jax.tree_util.tree_map(leaf, shapes)
+
+
+def match_varying(x: jax.Array, like: Any) -> jax.Array:
+    """``x`` marked as varying over the manual axes ``like`` varies over (``shard_map``).
+
+    The two branches of a ``lax.cond`` under ``shard_map`` must agree on which
+    mesh axes their outputs vary over; a constant (the skip branch's updates)
+    varies over none. Outside ``shard_map`` this returns ``x``.
+    """
+    want = _varying_axes(like) or frozenset()
+    have = _varying_axes(jax.typeof(x)) or frozenset()
+    missing = tuple(a for a in want if a not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def refuse_nested_inner(inner: Any, where: str) -> None:
+    """Refuses a loss-scaling transformation as the inner one (it would unscale twice)."""
+    kind = getattr(getattr(inner, "update", None), _KIND, None)
+    if kind is not None:
+        raise ValueError(
+            f"{where}: inner is itself lossscale_jax.{kind}(...): the gradients would be "
+            "unscaled twice and checked against the wrong scale. Use one loss-scaling "
+            "transformation, outermost: lossscale_jax.loss_scaling(inner, policy) (or "
+            "loss_scaling_multi_steps(inner, policy, every_k) to accumulate)."
+        )
+
+
+def refuse_nested_state(inner_state: Any, where: str) -> None:
+    """Refuses an inner state that holds a loss-scale state or an optax.MultiSteps state."""
+
+    def marked(x: Any) -> bool:
+        return isinstance(x, LossScaleState | optax.MultiStepsState)
+
+    for path, x in jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=marked)[0]:
+        at = jax.tree_util.keystr(path)
+        if isinstance(x, LossScaleState):
+            raise ValueError(
+                f"{where}: inner holds another loss scaling (a LossScaleState at inner_state"
+                f"{at}): the gradients would be unscaled twice and checked against the wrong "
+                "scale. Use one loss-scaling transformation, outermost, with every other "
+                "transformation inside it."
+            )
+        if isinstance(x, optax.MultiStepsState):
+            raise ValueError(
+                f"{where}: inner holds optax.MultiSteps (at inner_state{at}): the scale and "
+                "the skip decision would change per micro-batch, inside the window, and an "
+                "overflowing micro-batch would be dropped instead of skipping its window. "
+                "Accumulate with lossscale_jax.loss_scaling_multi_steps(inner, policy, "
+                "every_k=k)."
+            )
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     policy: LossScalePolicy,
@@ -102,6 +260,7 @@ def loss_scaling(
     compute_dtype: Any = jnp.float16,
     axis_name: AxisName | None = None,
     on_stuck: str = "skip",
+    local_axes: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss scaling: unscale, check, adjust, skip on overflow.
 
@@ -113,11 +272,23 @@ def loss_scaling(
       if not loss_scale.last_skipped:                   # lax.cond, good branch first
           updates, inner_state = inner.update(grads, inner_state, params)
       else:
-          updates, inner_state = zeros, inner_state     # e.g. Adam's count unchanged
+          updates, inner_state = -0.0, inner_state      # e.g. Adam's count unchanged
 
     The gradients given to ``update`` are the gradients of
     ``scale_loss(loss, opt_state)``; ``inner`` sees the unscaled gradients,
-    in the dtype of their parameters when ``params`` is passed.
+    in the dtype of their parameters when ``params`` is passed. A skipped
+    step's updates are ``-0.0``, so ``params + updates`` is bit-identical to
+    ``params`` (``-0.0`` parameters included). A scale in the state that is
+    not finite and > 0 (a corrupted checkpoint) counts as an overflow.
+
+    ``loss_scaling`` must be the outermost transformation: put clipping,
+    schedules, masks and weight decay inside it (they then see unscaled
+    gradients and do not run on skipped steps). Wrapping it in another
+    transformation (``optax.chain`` with others, ``MultiSteps``,
+    ``inject_hyperparams``, ``masked``, ...) is refused when its state is
+    read (``scale_loss``, ``metrics``, ``TrainState.create``); nesting it in
+    another loss scaling, or ``optax.MultiSteps`` in it, is refused here or at
+    ``init``. Accumulate with ``loss_scaling_multi_steps``.
 
     Args:
       inner: any Optax transformation (it sees unscaled gradients).
@@ -134,9 +305,18 @@ def loss_scaling(
         overflow; ``"error"`` also fails a ``checkify`` check (wrap the step in
         ``jax.experimental.checkify.checkify`` to collect it). Either way the
         inner transformation never sees the non-finite gradients.
+      local_axes: mapped axis name(s) over which the flag is deliberately not
+        reduced: each device decides from its own gradients (devices training
+        separate models). Under ``pmap``/``shard_map`` every bound axis must be
+        in ``axis_name`` or ``local_axes`` (checked when the update is traced;
+        see docs/data_parallel.md).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      TypeError, ValueError: for a bad argument, or when ``inner`` is itself a
+        loss-scaling transformation (it would unscale twice).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -166,21 +346,27 @@ def loss_scaling(
         )
     mode = numerics.validate_overflow_mode(overflow)
     compute_dtype = numerics.validate_compute_dtype(compute_dtype)
-    _validate_axis_name(axis_name)
+    reduced, local = _validate_axes(axis_name, local_axes)
     on_stuck = stuck.validate_on_stuck(on_stuck)
+    refuse_nested_inner(inner, "loss_scaling")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScalingState:
-        return LossScalingState(loss_scale=policy.init(), inner_state=inner.init(params))
+        inner_state = inner.init(params)
+        refuse_nested_state(inner_state, "loss_scaling")
+        return LossScalingState(loss_scale=policy.init(), inner_state=inner_state)
 
     def decide(
         updates: optax.Updates, loss_scale: LossScaleState
     ) -> tuple[LossScaleState, jax.Array]:
         """The adjusted loss-scale state and whether to apply the update."""
+        check_mapped_axes(updates, reduced, local, mode, "loss_scaling")
         # One read of the scaled gradients; the unscale happens inside the
         # conditional, fused with the inner update (no unscaled copy is
         # written to memory).
         found = numerics.check_overflow(updates, mode, compute_dtype)
+        # A scale that is not finite and > 0 (a corrupted state) counts as overflow.
+        found = jnp.logical_or(found, numerics._scale_is_bad(loss_scale.scale))
         found = reduce_overflow(found, axis_name)
         loss_scale = policy.adjust(loss_scale, found)
         stuck.check_stuck(loss_scale, on_stuck)
@@ -209,8 +395,7 @@ def loss_scaling(
 
         def skip(operands):
             _, inner_state = operands
-            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
-            return zeros, inner_state
+            return skip_updates(out_shapes), inner_state
 
         # Good branch first: XLA:CPU inserts fewer copies for this order.
         new_updates, inner_state = lax.cond(apply, apply_inner, skip, (updates, state.inner_state))
@@ -218,6 +403,7 @@ def loss_scaling(
 
     # What `lossscale_jax.apply_gradients` needs to run the same step fused.
     update_fn.loss_scaling_parts = _LossScalingParts(inner=inner, decide=decide)
+    setattr(update_fn, _KIND, "loss_scaling")
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -226,33 +412,227 @@ def _is_loss_scale_state(x: Any) -> bool:
     return isinstance(x, LossScaleState)
 
 
-def get_loss_scale_state(opt_state: Any) -> LossScaleState:
-    """Finds the one ``LossScaleState`` in an optimizer state.
+# States whose ``loss_scale`` field is the LossScaleState of a loss-scaling
+# transformation of this library (``accumulation`` adds its own).
+OWNER_TYPES: list[type] = [LossScalingState]
 
-    Works on a bare ``LossScaleState``, on the state of ``loss_scaling``, and
-    on a state in which that sits inside ``optax.chain``, ``optax.MultiSteps``,
-    ``optax.inject_hyperparams`` or any other pytree.
+_INSIDE_CHAIN = (
+    "lossscale_jax.loss_scaling is one of {n} transformations in an optax.chain (a tuple "
+    "state): those before it see the scaled gradients (inf included; clipping them is wrong), "
+    "those after it run on skipped steps (a schedule or Adam counts them, add_decayed_weights "
+    "moves the parameters). Put them inside: lossscale_jax.loss_scaling(optax.chain(...), "
+    "policy). (If this tuple is your own container, pass the loss-scaled optimizer's state "
+    "itself.)"
+)
 
-    Raises:
-      ValueError: if ``opt_state`` holds no ``LossScaleState`` or more than one.
+# Optax wrappers around a loss scaling: why each is refused, and the fix.
+_WRAPPED = {
+    "MultiStepsState": (
+        "lossscale_jax.loss_scaling is wrapped in optax.MultiSteps: it averages the scaled "
+        "micro-gradients before the overflow check (a saturated 65504 becomes 65504/k and is "
+        "missed) and resets its accumulator as (1 - emit) * acc, so one inf micro-batch leaves "
+        "nan in it for good. Accumulate with lossscale_jax.loss_scaling_multi_steps(inner, "
+        "policy, every_k=k)."
+    ),
+    "InjectHyperparamsState": (
+        "lossscale_jax.loss_scaling is wrapped in optax.inject_hyperparams: its step count (and "
+        "the schedules it evaluates) advances on skipped steps. Inject inside instead: "
+        "lossscale_jax.loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=...), "
+        "policy)."
+    ),
+    "MaskedState": (
+        "lossscale_jax.loss_scaling is wrapped in optax.masked: the leaves outside the mask "
+        "get the raw scaled gradients (inf included). Mask inside instead: "
+        "lossscale_jax.loss_scaling(optax.masked(inner, mask), policy)."
+    ),
+    "MultiTransformState": (
+        "lossscale_jax.loss_scaling is wrapped in optax.multi_transform (or partition): the "
+        "other labels' transformations get the raw scaled gradients and run on skipped steps. "
+        "Partition inside instead: lossscale_jax.loss_scaling(optax.multi_transform(...), "
+        "policy)."
+    ),
+    "ApplyIfFiniteState": (
+        "lossscale_jax.loss_scaling is wrapped in optax.apply_if_finite: it sees the scaled "
+        "gradients and counts its own errors on steps loss scaling already skips. Drop it "
+        "(loss_scaling skips non-finite steps) or put it inside loss_scaling."
+    ),
+}
+_WRAPPED["ConditionallyMaskState"] = _WRAPPED["ConditionallyTransformState"] = (
+    "lossscale_jax.loss_scaling is wrapped in optax.conditionally_mask/conditionally_transform: "
+    "its condition and step counter run on the scaled gradients and on skipped steps. Put it "
+    "inside: lossscale_jax.loss_scaling(optax.conditionally_transform(...), policy)."
+)
+_WRAPPED["InjectStatefulHyperparamsState"] = _WRAPPED["InjectHyperparamsState"]
+_WRAPPED["PartitionState"] = _WRAPPED["MultiTransformState"]
+
+
+def _wrapped_message(node: Any) -> str:
+    name = type(node).__name__
+    if name in _WRAPPED:
+        return _WRAPPED[name]
+    return (
+        f"lossscale_jax.loss_scaling is wrapped in an optax transformation whose state is "
+        f"{name}: a wrapper outside loss scaling sees the scaled gradients and runs on skipped "
+        "steps. Make loss_scaling the outermost transformation and put the wrapper inside it: "
+        "lossscale_jax.loss_scaling(wrapper(...), policy)."
+    )
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """``(key, child)`` one level down ``node`` (nothing for a leaf)."""
+    flat = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    return [(path[0], child) for path, child in flat if path]
+
+
+def _check_path(root: Any, path: tuple) -> Any:
+    """Walks ``path`` from ``root`` to a LossScaleState; returns the state owning it.
+
+    Raises ``ValueError`` for every container on the way that is a refused
+    nesting (see ``get_loss_scale_state``); the owner is ``None`` for a bare
+    LossScaleState or one inside the user's own containers.
+    """
+    node, owner = root, None
+    for key in path:
+        if type(node) in OWNER_TYPES:
+            owner = node
+        elif type(node) is tuple and len(node) > 1:
+            raise ValueError(_INSIDE_CHAIN.format(n=len(node)))
+        elif type(node).__module__.split(".")[0] == "optax":
+            raise ValueError(_wrapped_message(node))
+        node = next(child for k, child in _children(node) if k == key)
+    return owner
+
+
+def locate(opt_state: Any) -> tuple[LossScaleState, Any]:
+    """``(loss_scale_state, owner)``: the one LossScaleState and the state holding it.
+
+    ``owner`` is the ``LossScalingState``/``LossScalingMultiStepsState`` whose
+    ``loss_scale`` it is, or ``None`` for a bare ``LossScaleState``. Raises as
+    ``get_loss_scale_state``.
     """
     if isinstance(opt_state, LossScaleState):
-        return opt_state
+        return opt_state, None
     found = [
-        x
-        for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_loss_scale_state)
+        (path, x)
+        for path, x in jax.tree_util.tree_flatten_with_path(
+            opt_state, is_leaf=_is_loss_scale_state
+        )[0]
         if isinstance(x, LossScaleState)
     ]
-    if len(found) == 1:
-        return found[0]
     if not found:
         raise ValueError(
             "opt_state contains no LossScaleState: build the optimizer with "
             "lossscale_jax.loss_scaling(...) and pass its state (or the LossScaleState)."
         )
-    raise ValueError(
-        f"opt_state contains {len(found)} LossScaleStates; pass the one you mean "
-        "(e.g. get it from the inner state yourself)."
+    if len(found) > 1:
+        raise ValueError(
+            f"opt_state contains {len(found)} LossScaleStates; pass the one you mean "
+            "(e.g. get it from the inner state yourself)."
+        )
+    path, state = found[0]
+    return state, _check_path(opt_state, path)
+
+
+def get_loss_scale_state(opt_state: Any) -> LossScaleState:
+    """Finds the one ``LossScaleState`` in an optimizer state, refusing unsafe nestings.
+
+    Rule (the path from the root of ``opt_state`` to its ``LossScaleState``)::
+
+      LossScalingState / LossScalingMultiStepsState  -> its loss_scale: fine
+      a tuple of one element (optax.chain(loss_scaling(...)))      : fine
+      your own containers (dict, list, dataclass, ...)              : fine
+      a tuple of several (optax.chain with other transformations)   : ValueError
+      any optax wrapper state (MultiSteps, inject_hyperparams,
+        masked, multi_transform, apply_if_finite, ...)               : ValueError
+
+    A wrapper outside loss scaling sees the scaled gradients (inf included)
+    or runs on skipped steps; each error names the problem and the nesting
+    that works (the wrapper inside ``loss_scaling``, or
+    ``loss_scaling_multi_steps`` for accumulation). ``scale_loss``,
+    ``metrics``, ``switch_policy``, ``TrainState.create`` and
+    ``LossScaleOptimizer`` all read the state through it.
+
+    Args:
+      opt_state: an optimizer state, or a ``LossScaleState``.
+
+    Returns:
+      The ``LossScaleState``.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no ``LossScaleState``, more than one,
+        or one inside a refused nesting.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> tx = lsj.loss_scaling(optax.adam(1e-3), lsj.StaticScale(8.0))
+      >>> float(lsj.get_loss_scale_state(tx.init({"w": jnp.zeros(2)})).scale)
+      8.0
+      >>> wrapped = optax.MultiSteps(tx, every_k_schedule=2)
+      >>> try:
+      ...     lsj.get_loss_scale_state(wrapped.init({"w": jnp.zeros(2)}))
+      ... except ValueError as e:
+      ...     print(str(e)[:60])
+      lossscale_jax.loss_scaling is wrapped in optax.MultiSteps: i
+    """
+    return locate(opt_state)[0]
+
+
+def switch_policy(opt_state: Any, policy: LossScalePolicy) -> Any:
+    """Moves the loss-scale state inside ``opt_state`` to where ``policy`` keeps it.
+
+    For a mid-run change of policy (a lower static scale, a raised
+    ``min_scale``) or a checkpoint resumed under another policy: call it on
+    the state before the next ``scale_loss``, with the transformation rebuilt
+    around the new policy, so the next step's gradients are already scaled by
+    the new policy's scale.
+
+    Rule::
+
+      loss_scale = policy.conform(loss_scale)
+        # StaticScale(s): scale = s; NoScale: 1;
+        # DynamicScale / TolerantDynamicScale: clip(scale, min_scale, max_scale)
+        # if the scale moved: growth_count = hysteresis_count = 0
+        # kept: the telemetry (total_steps, overflow_steps, skipped_steps), the flags
+      everything else in opt_state is returned as it is
+
+    The growth and hysteresis counters count from the last change of the
+    scale, so they restart when it moves (as after any backoff or growth) and
+    are kept when it does not: a dynamic run continues where it was.
+
+    Args:
+      opt_state: an optimizer state holding one ``LossScaleState`` (as
+        ``get_loss_scale_state`` reads it), or a ``LossScaleState``.
+      policy: the policy to continue with.
+
+    Returns:
+      ``opt_state`` of the same structure, with the ``LossScaleState`` replaced.
+
+    Raises:
+      TypeError: if ``policy`` is not a lossscale_jax policy.
+      ValueError: as ``get_loss_scale_state``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"w": jnp.zeros(2)}
+      >>> opt_state = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale()).init(params)
+      >>> new_policy = lsj.StaticScale(128.0)
+      >>> tx = lsj.loss_scaling(optax.sgd(0.1), new_policy)
+      >>> opt_state = lsj.switch_policy(opt_state, new_policy)
+      >>> float(lsj.get_loss_scale_state(opt_state).scale)
+      128.0
+    """
+    if not isinstance(policy, LossScalePolicy):
+        raise TypeError(
+            "policy must be a lossscale_jax policy (NoScale, StaticScale, DynamicScale), "
+            f"got {policy!r}."
+        )
+    get_loss_scale_state(opt_state)
+    return jax.tree_util.tree_map(
+        lambda x: policy.conform(x) if isinstance(x, LossScaleState) else x,
+        opt_state,
+        is_leaf=_is_loss_scale_state,
     )
 
 
