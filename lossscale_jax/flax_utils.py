@@ -2,8 +2,10 @@
 
 ``TrainState`` subclasses Flax Linen's ``flax.training.train_state.TrainState``;
 ``LossScaleOptimizer`` subclasses Flax NNX's ``nnx.Optimizer``. Both apply the
-gradients through a ``loss_scaling`` transformation and read its skip decision
-(``get_loss_scale_state(new_opt_state).last_skipped``) after the update.
+gradients through a ``loss_scaling`` (or ``loss_scaling_multi_steps``)
+transformation and read what the update did from the new optimizer state
+(``accumulation.step_outcome``): whether an optimizer step completed, whether
+it was applied, and whether this call's model collections must be discarded.
 
 Mixed precision itself is Flax's own: build the model with
 ``param_dtype=jnp.float32`` (master weights) and ``dtype=jnp.float16``
@@ -20,18 +22,21 @@ import optax
 from flax import nnx, struct
 from flax.training import train_state
 
+from lossscale_jax.accumulation import StepOutcome, step_outcome
 from lossscale_jax.fused import apply_gradients
-from lossscale_jax.transform import LossScalingState, get_loss_scale_state
+from lossscale_jax.transform import LossScalingState
 
 
 def _check_loss_scaled(opt_state: Any, where: str) -> None:
     try:
-        get_loss_scale_state(opt_state)
+        step_outcome(opt_state)
     except ValueError as e:
-        raise ValueError(
-            f"{where}: tx must contain exactly one lossscale_jax.loss_scaling(...) "
-            f"transformation ({e})"
-        ) from None
+        if str(e).startswith(("opt_state contains", "the optimizer state holds a bare")):
+            raise ValueError(
+                f"{where}: tx must contain exactly one lossscale_jax.loss_scaling(...) "
+                f"or loss_scaling_multi_steps(...) transformation ({e})"
+            ) from None
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -47,7 +52,7 @@ def _is_fusable(tx: Any, opt_state: Any) -> bool:
 
 
 def _apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra_args):
-    """One optimizer step; returns ``(new_params, new_opt_state, skipped)``.
+    """One optimizer step; returns ``(new_params, new_opt_state, outcome)``.
 
     The fused ``apply_gradients`` when ``tx`` is ``loss_scaling(...)`` itself; the Optax
     path (``tx.update`` + ``optax.apply_updates``) when it is wrapped (``optax.chain``,
@@ -58,15 +63,15 @@ def _apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra_a
     else:
         updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
         new_params = optax.apply_updates(params, updates)
-    return new_params, new_opt_state, get_loss_scale_state(new_opt_state).last_skipped
+    return new_params, new_opt_state, step_outcome(new_opt_state)
 
 
-def _advance(step: Any, skipped: jax.Array, count_skipped: bool) -> jax.Array:
+def _advance(step: Any, outcome: StepOutcome, count_skipped: bool) -> jax.Array:
+    """``step + 1`` for each applied update (each completed one if ``count_skipped``)."""
     step = jnp.asarray(step)
     one = jnp.ones([], step.dtype)
-    if count_skipped:
-        return step + one
-    return jnp.where(skipped, step, step + one)
+    counts = outcome.completed if count_skipped else outcome.applied
+    return jnp.where(counts, step + one, step)
 
 
 def _keep_if_skipped(name: str, skipped: jax.Array, old: Any, new: Any) -> Any:
@@ -87,28 +92,38 @@ class TrainState(train_state.TrainState):
     Rule (``apply_gradients(grads=g, **collections)``)::
 
       params, opt_state = lsj.apply_gradients(tx, g, opt_state, params)
-      skipped = get_loss_scale_state(opt_state).last_skipped
-      step = step + 1 if count_skipped_steps else step + (0 if skipped else 1)
+      completed, applied, discard = what the update did (see below)
+      step = step + 1 if (completed if count_skipped_steps else applied)
       for name, new in collections:                 # e.g. batch_stats
-          name = old if (skipped and rollback_on_skip) else new
+          name = old if (discard and rollback_on_skip) else new
+
+    With ``tx = loss_scaling(...)`` every call completes a step; it is applied
+    unless skipped, and a skipped step's collections are discarded. With
+    ``tx = loss_scaling_multi_steps(..., every_k=k)`` a step completes on the
+    last micro-batch of each window, so ``step`` counts applied windows
+    (optimizer updates), and the collections are discarded from the window's
+    first overflowing micro-batch to its end (those written before it, by
+    good forward passes, persist).
 
     The fused step ``lsj.apply_gradients`` runs when ``tx`` is a bare
-    ``loss_scaling(...)``; a wrapped one (``optax.chain``, ``optax.MultiSteps``)
-    takes the Optax path, ``tx.update`` + ``optax.apply_updates``, with
-    bit-identical results. On a skipped step ``params`` and the inner optimizer
-    state do not change either. The default does not
-    advance ``step`` (what Ascend's ``NPULossScaleOptimizer`` does), so a
-    learning-rate schedule indexed by ``step`` does not move on a discarded
-    step. ``batch_stats`` is a field (``None`` unless given) for models with
-    BatchNorm; subclass to add other collections.
+    ``loss_scaling(...)``; otherwise (``loss_scaling_multi_steps``, or
+    ``optax.chain(loss_scaling(...))``) the Optax path, ``tx.update`` +
+    ``optax.apply_updates``, with bit-identical results. On a skipped step
+    ``params`` and the inner optimizer state do not change either. The
+    default does not advance ``step`` (what Ascend's ``NPULossScaleOptimizer``
+    does), so a learning-rate schedule indexed by ``step`` does not move on a
+    discarded step. ``batch_stats`` is a field (``None`` unless given) for
+    models with BatchNorm; subclass to add other collections.
 
     Attributes:
       batch_stats: the ``batch_stats`` collection, or ``None``.
-      count_skipped_steps: advance ``step`` on skipped steps too (static,
-        default ``False``).
+      count_skipped_steps: advance ``step`` on every completed step, skipped
+        ones included (static, default ``False``); under accumulation it then
+        counts windows.
       rollback_on_skip: keep the previous value of every collection passed to
-        ``apply_gradients`` on a skipped step (static, default ``True``: the
-        running statistics of an overflowed forward pass may hold inf).
+        ``apply_gradients`` when the call's collections are discarded (static,
+        default ``True``: the running statistics of an overflowed forward pass
+        may hold inf).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -127,19 +142,19 @@ class TrainState(train_state.TrainState):
     rollback_on_skip: bool = struct.field(pytree_node=False, default=True)
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
-        """Applies the (scaled) gradients; on a skipped step ``step`` stays.
+        """Applies the (scaled) gradients; ``step`` counts applied updates.
 
         Args:
           grads: gradients of ``lsj.scale_loss(loss, state.opt_state)``, same
             structure as ``params``.
           **kwargs: other fields to replace, e.g. ``batch_stats`` from the
-            forward pass; rolled back on a skipped step when
-            ``rollback_on_skip``.
+            forward pass; rolled back when the call's collections are
+            discarded and ``rollback_on_skip``.
 
         Returns:
           The new state.
         """
-        new_params, new_opt_state, skipped = _apply(self.tx, grads, self.opt_state, self.params)
+        new_params, new_opt_state, outcome = _apply(self.tx, grads, self.opt_state, self.params)
         if self.rollback_on_skip:
             pytree_fields = {
                 f.name
@@ -147,11 +162,13 @@ class TrainState(train_state.TrainState):
                 if f.metadata.get("pytree_node", True)
             }
             kwargs = {
-                k: _keep_if_skipped(k, skipped, getattr(self, k), v) if k in pytree_fields else v
+                k: _keep_if_skipped(k, outcome.discard, getattr(self, k), v)
+                if k in pytree_fields
+                else v
                 for k, v in kwargs.items()
             }
         return self.replace(
-            step=_advance(self.step, skipped, self.count_skipped_steps),
+            step=_advance(self.step, outcome, self.count_skipped_steps),
             params=new_params,
             opt_state=new_opt_state,
             **kwargs,
@@ -164,12 +181,14 @@ class TrainState(train_state.TrainState):
         Args:
           apply_fn: usually ``model.apply``.
           params: the (float32 master) parameters.
-          tx: an Optax transformation containing one ``lsj.loss_scaling``.
+          tx: ``lsj.loss_scaling(...)`` or ``lsj.loss_scaling_multi_steps(...)``
+            (alone, or the only element of an ``optax.chain``).
           **kwargs: other fields: ``batch_stats``, ``count_skipped_steps``,
             ``rollback_on_skip``.
 
         Raises:
-          ValueError: if ``tx``'s state holds no (or several) ``LossScaleState``.
+          ValueError: if ``tx``'s state holds no (or several) ``LossScaleState``,
+            or one inside a refused nesting (see ``get_loss_scale_state``).
           TypeError: if ``count_skipped_steps`` or ``rollback_on_skip`` is not a bool.
         """
         for name in ("count_skipped_steps", "rollback_on_skip"):
@@ -193,10 +212,13 @@ class LossScaleOptimizer(nnx.Optimizer):
     Rule (``update(model, grads, rollback=before)``)::
 
       params, opt_state = lsj.apply_gradients(tx, grads, opt_state, params)
-      skipped = get_loss_scale_state(opt_state).last_skipped
-      step = step + 1 if count_skipped_steps else step + (0 if skipped else 1)
-      if skipped and before is not None:
+      completed, applied, discard = what the update did (as ``TrainState``)
+      step = step + 1 if (completed if count_skipped_steps else applied)
+      if discard and before is not None:
           restore the rollback_filter variables (e.g. BatchStat) to ``before``
+
+    With ``loss_scaling_multi_steps`` ``step`` counts applied windows and the
+    rollback covers the window's first overflowing micro-batch to its end.
 
     NNX modules write their ``BatchStat`` variables during the forward pass,
     before ``update`` runs, so the rollback needs the values from before it:
@@ -205,7 +227,7 @@ class LossScaleOptimizer(nnx.Optimizer):
 
     Args:
       model: the NNX module.
-      tx: an Optax transformation containing one ``lsj.loss_scaling``.
+      tx: ``lsj.loss_scaling(...)`` or ``lsj.loss_scaling_multi_steps(...)``.
       wrt: the filter of the variables to train (as ``nnx.Optimizer``).
       count_skipped_steps: advance ``step`` on skipped steps too (default False).
       rollback_filter: the variables ``snapshot`` saves (default ``nnx.BatchStat``).
@@ -251,7 +273,7 @@ class LossScaleOptimizer(nnx.Optimizer):
           model: the module being trained.
           grads: gradients of ``lsj.scale_loss(loss, opt.opt_state)`` from ``nnx.grad``.
           rollback: ``opt.snapshot(model)`` taken before the forward pass, restored
-            on a skipped step; ``None`` restores nothing.
+            when the call's collections are discarded; ``None`` restores nothing.
           **kwargs: extra arguments for ``tx.update``.
 
         Returns:
@@ -260,13 +282,13 @@ class LossScaleOptimizer(nnx.Optimizer):
         params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         opt_state = nnx.as_pure(self.opt_state)
-        new_params, new_opt_state, skipped = _apply(
+        new_params, new_opt_state, outcome = _apply(
             self.tx, grad_arrays, opt_state, params, **nnx.as_pure(kwargs)
         )
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         if rollback is not None:
-            kept = _keep_if_skipped("rollback", skipped, rollback, self.snapshot(model))
+            kept = _keep_if_skipped("rollback", outcome.discard, rollback, self.snapshot(model))
             nnx.update(model, kept)
-        self.step[...] = _advance(self.step[...], skipped, self.count_skipped_steps)
+        self.step[...] = _advance(self.step[...], outcome, self.count_skipped_steps)
         return new_params
