@@ -5,7 +5,9 @@ Orbax handles ``LossScaleState`` as it is (a registered pytree). For
 fields, so ``flax.serialization.to_bytes``/``from_bytes`` round-trip it.
 ``restore_orbax`` and ``restore_flax`` check the checkpoint's structure
 against the optimizer state before restoring, so a checkpoint saved
-without loss scaling fails with an error that says so.
+without loss scaling fails with an error that says so. Given ``policy=``,
+they also refuse a loss-scale state that the policy would not hold (saved
+under another policy): ``switch_policy`` is the way to continue with it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from lossscale_jax.policies import LossScaleState
+from lossscale_jax.policies import LossScalePolicy, LossScaleState
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossScaleState))
 # Fields whose presence marks a subtree of a checkpoint as a loss-scale state.
@@ -77,22 +79,94 @@ def _fmt(path: tuple[str, ...]) -> str:
     return "/".join(path) if path else "<root>"
 
 
-def check_checkpoint(target: Any, saved: Any) -> None:
+def _is_value(x: Any) -> bool:
+    return isinstance(x, np.ndarray | np.generic | jax.Array | int | float | bool)
+
+
+def _check_policy(tree: Any, policy: LossScalePolicy | None) -> None:
+    """Raises ``ValueError`` for a LossScaleState in ``tree`` that ``policy`` would not hold.
+
+    ``tree`` holds values: a restored pytree (``LossScaleState`` nodes) or a
+    ``flax.serialization`` state dict (a dict of the fields per loss-scale state).
+    """
+    if policy is None:
+        return
+    if not isinstance(policy, LossScalePolicy):
+        raise TypeError(
+            "policy must be a lossscale_jax policy (NoScale, StaticScale, DynamicScale), "
+            f"got {policy!r}."
+        )
+    states: list[tuple[str, LossScaleState]] = []
+    for path, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, LossScaleState)
+    )[0]:
+        if isinstance(x, LossScaleState):
+            states.append((_fmt(tuple(_key_name(k) for k in path)), x))
+    if not states:
+        table = _leaf_table_paths(tree)
+        for prefix in _loss_scale_prefixes(table):
+            node = tree
+            for name in prefix:
+                node = node[name] if isinstance(node, dict) else node[int(name)]
+            values = {n: node[n] for n in _FIELDS if n in node}
+            if not all(_is_value(v) for v in values.values()):
+                raise TypeError(
+                    "check_checkpoint(policy=...) needs the checkpoint's values; an Orbax "
+                    "metadata tree has none: use restore_orbax(path, target, policy=policy), "
+                    "which checks after reading them."
+                )
+            states.append((_fmt(prefix), serialization.from_state_dict(policy.init(), values)))
+    for where, state in states:
+        if not _is_value(state.scale):
+            raise TypeError(
+                "check_checkpoint(policy=...) needs the checkpoint's values; an Orbax "
+                "metadata tree has none: use restore_orbax(path, target, policy=policy), "
+                "which checks after reading them."
+            )
+        have = np.asarray(state.scale, np.float32)
+        want = np.asarray(policy.conform(state).scale, np.float32)
+        if not np.array_equal(have, want):
+            raise ValueError(
+                f"The checkpoint's loss-scale state at {where!r} has scale {float(have)!r}, "
+                f"which {policy!r} would not hold (it keeps {float(want)!r}): it was saved "
+                "under another policy. To continue under this one, restore without policy= "
+                "and call lossscale_jax.switch_policy(restored, policy) (it moves the scale "
+                "and keeps the counters)."
+            )
+
+
+def _leaf_table_paths(tree: Any) -> list[tuple[str, ...]]:
+    return [
+        tuple(_key_name(k) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None = None) -> None:
     """Raises ``ValueError`` unless ``saved`` has the structure of ``target``.
 
     Rule::
 
       paths, shapes and dtypes of saved's leaves == those of target's leaves
       (a LossScaleState present in one and absent in the other is named as such)
+      if policy: every saved loss-scale state is one policy holds
+                 (policy.conform(state).scale == state.scale)
+
+    A mismatch with ``policy`` raises rather than warns: resuming under
+    another policy is a decision (``switch_policy`` makes it in one call), and a
+    warning in a long log is easy to miss.
 
     Args:
       target: the optimizer state to restore into (e.g. a fresh ``tx.init(params)``).
       saved: the checkpoint's tree: a restored pytree, a ``flax.serialization``
         state dict, or an Orbax metadata tree (leaves with ``shape`` and ``dtype``).
+      policy: optional; the policy the restored state will be used with.
 
     Raises:
       ValueError: naming the missing loss-scale state, or the first leaves that
-        are missing, unexpected or of another shape or dtype.
+        are missing, unexpected or of another shape or dtype; or a loss-scale
+        state whose scale ``policy`` would not hold.
+      TypeError: if ``policy`` is given with an Orbax metadata tree (no values).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -148,24 +222,32 @@ def check_checkpoint(target: Any, saved: Any) -> None:
                 f"The checkpoint's leaf {_fmt(path)!r} has shape {have[path][0]} and dtype "
                 f"{have[path][1]}; the optimizer state expects shape {shape} and dtype {dtype}."
             )
+    _check_policy(saved, policy)
 
 
-def restore_flax(target: Any, encoded: bytes | dict[str, Any]) -> Any:
+def restore_flax(
+    target: Any, encoded: bytes | dict[str, Any], *, policy: LossScalePolicy | None = None
+) -> Any:
     """Restores ``target``'s structure from ``flax.serialization`` output, checked first.
 
     Rule::
 
       state_dict = msgpack_restore(encoded) if bytes else encoded
-      check_checkpoint(to_state_dict(target), state_dict)
+      check_checkpoint(to_state_dict(target), state_dict, policy=policy)
       return from_state_dict(target, state_dict)
 
     Args:
       target: an optimizer state of the right structure (e.g. ``tx.init(params)``).
       encoded: bytes from ``flax.serialization.to_bytes(opt_state)``, or the state
         dict from ``flax.serialization.to_state_dict(opt_state)``.
+      policy: optional; refuse a loss-scale state this policy would not hold
+        (see ``check_checkpoint``).
 
     Returns:
       The restored optimizer state (leaves as NumPy arrays, bit-identical).
+
+    Raises:
+      ValueError: as ``check_checkpoint``.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -187,16 +269,26 @@ def restore_flax(target: Any, encoded: bytes | dict[str, Any]) -> Any:
             f"got {type(encoded).__name__}."
         )
     check_checkpoint(serialization.to_state_dict(target), state_dict)
-    return serialization.from_state_dict(target, state_dict)
+    restored = serialization.from_state_dict(target, state_dict)
+    _check_policy(restored, policy)
+    return restored
 
 
-def restore_orbax(path: str | os.PathLike, target: Any, *, checkpointer: Any = None) -> Any:
+def restore_orbax(
+    path: str | os.PathLike,
+    target: Any,
+    *,
+    checkpointer: Any = None,
+    policy: LossScalePolicy | None = None,
+) -> Any:
     """Restores an optimizer state saved with Orbax, checking its structure first.
 
     Rule::
 
       check_checkpoint(target, checkpointer.metadata(path))   # before reading any array
-      return checkpointer.restore(path, target)
+      restored = checkpointer.restore(path, target)
+      if policy: check every loss-scale state of restored against policy
+      return restored
 
     Args:
       path: the checkpoint directory, as given to ``checkpointer.save``.
@@ -204,9 +296,14 @@ def restore_orbax(path: str | os.PathLike, target: Any, *, checkpointer: Any = N
         its leaves' shapes, dtypes and shardings are used for the restore.
       checkpointer: an ``orbax.checkpoint`` checkpointer with ``metadata`` and
         ``restore``; default ``orbax.checkpoint.StandardCheckpointer()``.
+      policy: optional; refuse a loss-scale state this policy would not hold
+        (see ``check_checkpoint``).
 
     Returns:
       The restored optimizer state.
+
+    Raises:
+      ValueError: as ``check_checkpoint``.
 
     Examples:
       >>> import tempfile, os, jax.numpy as jnp, optax
@@ -227,4 +324,6 @@ def restore_orbax(path: str | os.PathLike, target: Any, *, checkpointer: Any = N
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     check_checkpoint(target, tree)
-    return ckptr.restore(path, target)
+    restored = ckptr.restore(path, target)
+    _check_policy(restored, policy)
+    return restored
