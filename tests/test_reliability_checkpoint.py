@@ -21,8 +21,9 @@ BAD_STEPS = {1, 2, 7, 8, 9}  # overflows, two in a row: backoffs, growths, skips
 
 TXS = {
     "adam": lambda: lsj.loss_scaling(optax.adam(1e-2), POLICY),
+    # Clipping inside the loss scaling (it sees unscaled gradients), in a one-element chain.
     "chain": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0), lsj.loss_scaling(optax.adamw(1e-2), POLICY)
+        lsj.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), POLICY)
     ),
     "multi_steps": lambda: lsj.loss_scaling_multi_steps(optax.adam(1e-2), POLICY, 3),
 }

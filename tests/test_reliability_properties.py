@@ -83,7 +83,7 @@ def build(leaves, fault_list):
 
 
 def reference_step(grads, params, scale, mode, policy):
-    """Plain NumPy: flag, unscale in float32 to the param dtype, SGD(0.5) or zeros; new scale."""
+    """Plain NumPy: flag, unscale in float32 to the param dtype, SGD(0.5) or -0.0; new scale."""
     flat = [np.asarray(g, np.float64).ravel() for g in grads.values()]
     ieee = any(not np.all(np.isfinite(f)) for f in flat)
     sat = any(np.any(np.abs(f) >= 65504.0) for f in flat)  # nan compares False
@@ -92,8 +92,8 @@ def reference_step(grads, params, scale, mode, policy):
     updates = {}
     for k, g in grads.items():
         pdt = params[k].dtype
-        if overflow:
-            updates[k] = np.zeros(g.shape, pdt)
+        if overflow:  # -0.0: params + updates is bit-identical to params, -0.0 included
+            updates[k] = np.full(g.shape, -0.0, pdt)
         else:
             unscaled = (g.astype(np.float32) * inv).astype(pdt)
             updates[k] = (unscaled * pdt.type(-0.5)).astype(pdt)
