@@ -120,3 +120,50 @@ def test_bad_mode(bad):
 def test_bad_compute_dtype():
     with pytest.raises(TypeError, match="compute_dtype"):
         lsj.check_overflow({}, "ieee", compute_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, float, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_compute_dtype_outside_float16_bfloat16_float32_is_refused(dtype):
+    # float64: no float16/bfloat16/float32 gradient reaches its max, so "saturating" never
+    # fires; float8: finfo(float16).max = 65504 is not representable.
+    with pytest.raises(ValueError, match=r"compute_dtype must be one of \('float16'"):
+        lsj.check_overflow({}, "saturating", compute_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_compute_dtypes_allowed(dtype):
+    g = {"w": jnp.array([float(jnp.finfo(dtype).max)], jnp.float32)}
+    assert bool(lsj.check_overflow(g, "saturating", compute_dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "scale", [0, 0.0, -1.0, np.float64(-2.0), float("nan"), float("inf"), 1e-50]
+)
+def test_unscale_refuses_a_host_scale_that_is_not_finite_and_positive(scale):
+    g = {"w": jnp.array([2.0, 4.0], jnp.float16)}
+    for fn in (lambda: lsj.unscale(g, scale), lambda: lsj.unscale_and_check(g, scale)):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            fn()
+
+
+def test_unscale_refuses_a_non_scalar_scale():
+    with pytest.raises(ValueError, match=r"scale must be a scalar, got shape \(2,\)"):
+        lsj.unscale({"w": jnp.ones(2)}, np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"scale must be a scalar, got shape \(2,\)"):
+        lsj.unscale_and_check({"w": jnp.ones(2)}, jnp.array([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("scale", [0.0, -4.0, np.nan, np.inf])
+def test_a_bad_device_scale_is_an_overflow_with_nan_gradients(scale):
+    """On the device the scale is not read back: the step is flagged (skipped in every mode)
+    and the unscaled gradients are nan, never inf, zero or sign-flipped."""
+    g = {"w": jnp.array([2.0, -4.0], jnp.float16)}
+    for mode in ("ieee", "saturating", "both"):
+        out, overflow = jax.jit(lambda g, s, mode=mode: lsj.unscale_and_check(g, s, mode=mode))(
+            g, jnp.float32(scale)
+        )
+        assert bool(overflow) and bool(jnp.all(jnp.isnan(out["w"])))
+    assert bool(jnp.all(jnp.isnan(jax.jit(lsj.unscale)(g, jnp.float32(scale))["w"])))
+    # A good scale: exactly the division, and no flag.
+    out, overflow = jax.jit(lsj.unscale_and_check)(g, jnp.float32(4.0))
+    assert not bool(overflow) and np.asarray(out["w"]).tolist() == [0.5, -1.0]

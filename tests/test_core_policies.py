@@ -278,3 +278,152 @@ def test_fixed_policies_reject_bad_arguments(make, exc, words):
 def test_adjust_rejects_non_scalar_flag():
     with pytest.raises(ValueError, match="scalar"):
         lsj.DynamicScale().adjust(lsj.DynamicScale().init(), jnp.zeros(3, jnp.bool_))
+
+
+# --------------------------------------------------------------------------
+# A state the policy did not make (resumed, reused, switched): the policy still rules.
+
+
+def foreign(scale, **fields):
+    """A state as another policy (or a checkpoint) left it."""
+    return (
+        lsj.DynamicScale(init_scale=2.0**15)
+        .init()
+        .replace(
+            scale=jnp.asarray(scale, jnp.float32),
+            growth_count=jnp.asarray(fields.get("growth_count", 7), jnp.int32),
+            hysteresis_count=jnp.asarray(fields.get("hysteresis_count", 1), jnp.int32),
+            total_steps=jnp.asarray(100, jnp.int32),
+            skipped_steps=jnp.asarray(3, jnp.int32),
+        )
+    )
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_static_and_noscale_write_their_own_scale(overflow):
+    s = jax.jit(lsj.StaticScale(8.0).adjust)(foreign(2.0**15), overflow)
+    assert float(s.scale) == 8.0 and int(s.total_steps) == 101
+    s = jax.jit(lsj.NoScale().adjust)(foreign(2.0**15), overflow)
+    assert float(s.scale) == 1.0 and int(s.skipped_steps) == 3  # NoScale does not skip
+
+
+@pytest.mark.parametrize(
+    "scale, overflow, want",
+    [
+        (2.0**15, False, 16.0),  # above max_scale: clipped down
+        (2.0**15, True, 16.0),  # backed off to 2**14, still above: clipped
+        (0.25, False, 2.0),  # below min_scale: clipped up
+        (0.25, True, 2.0),
+        (0.0, False, 2.0),  # a corrupted state: back into the range
+        (-4.0, True, 2.0),
+        (math.nan, False, 2.0),
+        (math.inf, False, 16.0),
+        (8.0, False, 8.0),  # in range: the ordinary rule (no growth yet, interval 1000)
+        (8.0, True, 4.0),
+    ],
+)
+def test_dynamic_keeps_any_state_in_its_range(scale, overflow, want):
+    policy = lsj.DynamicScale(init_scale=8.0, min_scale=2.0, max_scale=16.0, growth_interval=1000)
+    s = jax.jit(policy.adjust)(foreign(scale), overflow)
+    assert float(s.scale) == want
+
+
+def test_dynamic_clip_is_the_identity_in_range():
+    """In-range states step exactly as the reference model says, also with max_scale=inf."""
+    for policy in (
+        lsj.DynamicScale(init_scale=2.0**126, max_scale=math.inf, growth_interval=1),
+        lsj.DynamicScale(init_scale=1.0, min_scale=1.0, growth_interval=1),
+    ):
+        flags = [False, False, True, False, True, True, False]
+        states = run_policy(policy, flags)
+        ref = ReferenceDynamic(policy)
+        want = []
+        for f in flags:
+            ref.step(f)
+            want.append(F32(ref.scale))
+        np.testing.assert_array_equal(np.asarray(states.scale), want)
+
+
+def test_tolerant_keeps_any_state_in_its_range():
+    policy = lsj.TolerantDynamicScale(init_scale=8.0, min_scale=2.0, max_scale=16.0)
+    assert float(jax.jit(policy.adjust)(foreign(2.0**15), False).scale) == 16.0
+    assert float(jax.jit(policy.adjust)(foreign(math.nan), False).scale) == 2.0
+
+
+def test_conform_moves_the_scale_and_keeps_the_telemetry():
+    s = foreign(2.0**15)
+    for policy, want in [
+        (lsj.StaticScale(8.0), 8.0),
+        (lsj.NoScale(), 1.0),
+        (lsj.DynamicScale(init_scale=4.0, max_scale=16.0), 16.0),
+        (lsj.TolerantDynamicScale(init_scale=4.0, max_scale=16.0), 16.0),
+    ]:
+        c = jax.jit(policy.conform)(s)
+        assert float(c.scale) == want
+        # The scale moved: the counters since its last change restart; telemetry is kept.
+        assert int(c.growth_count) == 0 and int(c.hysteresis_count) == 0
+        assert int(c.total_steps) == 100 and int(c.skipped_steps) == 3
+    # A scale the policy can hold stays, and so do the counters.
+    kept = lsj.DynamicScale(init_scale=4.0).conform(s)
+    assert float(kept.scale) == 2.0**15 and int(kept.growth_count) == 7
+    # A state the policy made itself comes back unchanged (bit for bit).
+    for policy in (lsj.StaticScale(3.0), lsj.DynamicScale(), lsj.TolerantDynamicScale(0.5)):
+        fresh = policy.init()
+        assert jax.tree_util.tree_all(
+            jax.tree_util.tree_map(lambda a, b: bool(a == b), policy.conform(fresh), fresh)
+        )
+
+
+def test_a_policy_subclass_without_conform_says_so():
+    class Mine(lsj.LossScalePolicy):
+        def init(self):
+            return lsj.StaticScale(2.0).init()
+
+    with pytest.raises(NotImplementedError, match="does not implement conform"):
+        Mine().conform(Mine().init())
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        1024,
+        1024.0,
+        np.float64(1024),
+        np.float32(1024),
+        jnp.float32(1024),
+        np.int64(1024),
+        jnp.asarray(1024.0),
+        np.asarray(1024.0),
+    ],
+)
+def test_concrete_scalars_are_accepted_alike(value):
+    """Python, NumPy and JAX 0-d numbers all give the same (hashable, static) policy."""
+    p = lsj.DynamicScale(
+        init_scale=value, max_scale=jnp.float32(2.0**20), growth_interval=np.int32(10)
+    )
+    assert p == lsj.DynamicScale(init_scale=1024.0, max_scale=2.0**20, growth_interval=10)
+    assert hash(p) == hash(
+        lsj.DynamicScale(init_scale=1024.0, max_scale=2.0**20, growth_interval=10)
+    )
+    assert type(p.init_scale) is float and type(p.growth_interval) is int
+    assert lsj.StaticScale(value) == lsj.StaticScale(1024.0)
+
+
+@pytest.mark.parametrize(
+    "make, exc, words",
+    [
+        (lambda: lsj.StaticScale(jnp.bool_(True)), TypeError, "scale must be a real number"),
+        (lambda: lsj.StaticScale(np.bool_(True)), TypeError, "scale must be a real number"),
+        (lambda: lsj.StaticScale(jnp.ones(2)), TypeError, "scale must be a real number"),
+        (lambda: lsj.DynamicScale(growth_interval=jnp.float32(10)), TypeError, "must be an int"),
+        (lambda: lsj.DynamicScale(hysteresis=jnp.bool_(True)), TypeError, "must be an int"),
+    ],
+)
+def test_bools_arrays_and_wrong_kinds_are_rejected(make, exc, words):
+    with pytest.raises(exc, match=words):
+        make()
+
+
+def test_traced_hyperparameters_are_rejected():
+    with pytest.raises(TypeError, match="init_scale must be a concrete number, got a traced value"):
+        jax.jit(lambda s: lsj.DynamicScale(init_scale=s).init().scale)(jnp.float32(8.0))

@@ -329,3 +329,56 @@ def test_loss_scaling_rejects_bad_arguments(kwargs, exc, words):
     inner, policy = args.pop("inner"), args.pop("policy")
     with pytest.raises(exc, match=words):
         lsj.loss_scaling(inner, policy, **args)
+
+
+# ------------------------------------------------------------------ resumed and switched policies
+
+
+def test_a_static_policy_continuing_a_dynamic_state_takes_its_own_scale():
+    """The first step unscales with the scale its gradients were made with; adjust then
+    writes the policy's own scale."""
+    params = params_of()
+    old = lsj.loss_scaling(optax.sgd(1.0), lsj.DynamicScale(init_scale=2.0**15)).init(params)
+    tx = lsj.loss_scaling(optax.sgd(1.0), lsj.StaticScale(8.0))
+    step = make_step(tx)
+    _, state, updates = step(params, old, grads_like(params, 2.0**15))  # gradient 1, scaled
+    np.testing.assert_array_equal(np.asarray(updates["b"]), -1.0)  # unscaled by 2**15
+    assert float(state.loss_scale.scale) == 8.0
+
+
+def test_switch_policy_before_the_next_step():
+    params = params_of()
+    old_tx = lsj.loss_scaling(optax.adam(1e-2), lsj.DynamicScale(init_scale=2.0**15))
+    state = old_tx.init(params)
+    for g in (1.0, np.inf, 1.0):  # some history in the counters
+        _, state = old_tx.update(grads_like(params, g), state, params)
+    new_policy = lsj.StaticScale(8.0)
+    switched = lsj.switch_policy(optax.chain(old_tx).init(params), new_policy)
+    assert float(lsj.get_loss_scale_state(switched).scale) == 8.0  # nested: a chain state
+    switched = jax.jit(lsj.switch_policy, static_argnums=1)(state, new_policy)
+    ls = switched.loss_scale
+    assert float(lsj.scale_loss(jnp.float32(1.0), switched)) == 8.0  # before any step
+    assert int(ls.total_steps) == 3 and int(ls.skipped_steps) == 1  # telemetry kept
+    assert int(ls.growth_count) == 0  # the scale moved: counting restarts
+    assert_trees_equal(switched.inner_state, state.inner_state)
+    assert float(lsj.switch_policy(ls, lsj.NoScale()).scale) == 1.0  # a bare LossScaleState
+    # Raising min_scale: the scale is lifted into the new range.
+    raised = lsj.switch_policy(state, lsj.DynamicScale(init_scale=2.0**16, min_scale=2.0**16))
+    assert float(raised.loss_scale.scale) == 2.0**16
+    with pytest.raises(TypeError, match="policy must be a lossscale_jax policy"):
+        lsj.switch_policy(state, 8.0)
+
+
+def test_a_corrupted_scale_in_the_state_is_skipped_then_repaired():
+    params = params_of()
+    tx = lsj.loss_scaling(optax.adam(1e-2), lsj.DynamicScale(init_scale=8.0, min_scale=2.0))
+    step = make_step(tx)
+    for bad in (0.0, -8.0, np.nan):
+        state = tx.init(params)
+        state = state._replace(loss_scale=state.loss_scale.replace(scale=jnp.float32(bad)))
+        p, state, _ = step(params, state, grads_like(params, 0.0))
+        assert bool(state.loss_scale.last_skipped) and float(state.loss_scale.scale) == 2.0
+        assert_trees_equal(p, params)
+        assert int(state.inner_state[0].count) == 0
+        _, state, _ = step(p, state, grads_like(params, 2.0))
+        assert not bool(state.loss_scale.last_skipped)

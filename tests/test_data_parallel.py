@@ -229,10 +229,23 @@ def test_one_device_inf_all_skip(mapper, average):
 
 
 def test_without_axis_name_devices_disagree():
-    """The control: with local checks and no reduction, only device 3 skips."""
-    tx = lsj.loss_scaling(optax.adam(LR), lsj.DynamicScale(init_scale=2.0**10))
+    """The control: with local checks and no reduction, only device 3 skips.
+
+    Under pmap an update with neither axis_name nor local_axes is refused at trace time (JAX
+    does not say whether the gradients vary over the axis); local_axes asks for exactly this.
+    """
     grads = np.ones((N, 3, 2), np.float16)
     grads[3, 0, 0] = np.inf
+    unreduced = lsj.loss_scaling(optax.adam(LR), lsj.DynamicScale(init_scale=2.0**10))
+    with pytest.raises(ValueError, match="runs under the mapped axis 'batch'"):
+        run_mapped(
+            "pmap",
+            update_step(unreduced, "none"),
+            PARAMS,
+            unreduced.init(PARAMS),
+            [local_grads(grads)],
+        )
+    tx = lsj.loss_scaling(optax.adam(LR), lsj.DynamicScale(init_scale=2.0**10), local_axes=AXIS)
     params, state = run_mapped(
         "pmap", update_step(tx, "none"), PARAMS, tx.init(PARAMS), [local_grads(grads)]
     )
