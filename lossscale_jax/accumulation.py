@@ -7,7 +7,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from lossscale_jax import numerics, stuck, transform
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, _check_int
@@ -16,7 +15,6 @@ from lossscale_jax.transform import (
     LossScalingState,
     _validate_axes,
     check_mapped_axes,
-    match_varying,
     reduce_overflow,
     refuse_nested_inner,
     refuse_nested_state,
@@ -235,18 +233,11 @@ def loss_scaling_multi_steps(
                 return acc
             return acc + g.astype(acc.dtype)
 
-        def per_device(acc, g):
-            # Under shard_map each device accumulates its own gradients: the
-            # accumulator varies over the axes the gradients vary over.
-            if not numerics._is_float(g):
-                return acc
-            return match_varying(acc, jax.typeof(g))
-
-        acc = lax.cond(
+        acc = transform.cond(
             window_overflow,
             lambda a, g: a,
             lambda a, g: jax.tree_util.tree_map(add, a, g),
-            jax.tree_util.tree_map(per_device, state.acc_grads, grads),
+            state.acc_grads,  # under shard_map: each device's own sum (transform.cond)
             grads,
         )
 
@@ -270,7 +261,7 @@ def loss_scaling_multi_steps(
         def finish(acc_tree):
             loss_scale = policy.adjust(state.loss_scale, window_overflow)
             stuck.check_stuck(loss_scale, on_stuck)
-            new_updates, inner_state = lax.cond(
+            new_updates, inner_state = transform.cond(
                 jnp.logical_not(loss_scale.last_skipped),
                 apply_inner,
                 lambda operands: (zeros(), operands[1]),
@@ -280,9 +271,7 @@ def loss_scaling_multi_steps(
                 loss_scale=loss_scale,
                 mini_step=jnp.zeros([], jnp.int32),
                 window_overflow=jnp.zeros([], jnp.bool_),
-                acc_grads=jax.tree_util.tree_map(
-                    lambda a: match_varying(jnp.zeros(a.shape, a.dtype), jax.typeof(a)), acc_tree
-                ),
+                acc_grads=jax.tree_util.tree_map(jnp.zeros_like, acc_tree),
                 inner_state=inner_state,
             )
 
@@ -295,7 +284,7 @@ def loss_scaling_multi_steps(
                 inner_state=state.inner_state,
             )
 
-        return lax.cond(state.mini_step >= every_k - 1, finish, accumulate, acc)
+        return transform.cond(state.mini_step >= every_k - 1, finish, accumulate, acc)
 
     setattr(update_fn, transform._KIND, "loss_scaling_multi_steps")
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

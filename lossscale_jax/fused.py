@@ -7,10 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from lossscale_jax import numerics
-from lossscale_jax.transform import LossScalingState
+from lossscale_jax.transform import LossScalingState, cond
 
 
 def _parts(tx: Any) -> Any:
@@ -106,7 +105,7 @@ def apply_gradients(
         return p, inner_state
 
     # Good branch first: XLA:CPU inserts fewer copies for this order.
-    new_params, inner_state = lax.cond(
+    new_params, inner_state = cond(
         apply, good, skip, (grads, opt_state.inner_state, params, neg_zero)
     )
     return new_params, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)

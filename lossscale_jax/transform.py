@@ -196,22 +196,45 @@ def skip_updates(shapes: Any) -> Any:
 
     def leaf(s: Any) -> jax.Array:
         if jnp.issubdtype(s.dtype, jnp.inexact):
-            return match_varying(jnp.full(s.shape, -0.0, s.dtype), s)
-        return match_varying(jnp.zeros(s.shape, s.dtype), s)
+            return jnp.full(s.shape, -0.0, s.dtype)
+        return jnp.zeros(s.shape, s.dtype)
 
     return jax.tree_util.tree_map(leaf, shapes)
 
 
-def match_varying(x: jax.Array, like: Any) -> jax.Array:
-    """``x`` marked as varying over the manual axes ``like`` varies over (``shard_map``).
+def cond(pred: jax.Array, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+    """``lax.cond``, whose branches may differ in what varies over ``shard_map`` axes.
 
-    The two branches of a ``lax.cond`` under ``shard_map`` must agree on which
-    mesh axes their outputs vary over; a constant (the skip branch's updates)
-    varies over none. Outside ``shard_map`` this returns ``x``.
+    Under ``shard_map`` each output is marked varying over the union of the axes
+    either branch's output varies over (e.g. Adam's moments computed from each
+    device's own gradients versus the replicated moments a skipped step keeps).
+    Elsewhere it is ``lax.cond`` itself: nothing is added to the step.
     """
-    want = _varying_axes(like) or frozenset()
+    if not tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()):
+        return lax.cond(pred, true_fun, false_fun, *operands)
+    shapes = [jax.eval_shape(f, *operands) for f in (true_fun, false_fun)]
+
+    def union(a: Any, b: Any) -> frozenset:
+        return (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset())
+
+    want = jax.tree_util.tree_map(union, *shapes)
+
+    def matched(f: Any) -> Any:
+        def branch(*ops: Any) -> Any:
+            return jax.tree_util.tree_map(
+                lambda x, axes: _pcast_to(x, axes), f(*ops), want, is_leaf=lambda x: x is None
+            )
+
+        return branch
+
+    return lax.cond(pred, matched(true_fun), matched(false_fun), *operands)
+
+
+def _pcast_to(x: Any, axes: frozenset) -> Any:
+    if x is None:
+        return x
     have = _varying_axes(jax.typeof(x)) or frozenset()
-    missing = tuple(a for a in want if a not in have)
+    missing = tuple(a for a in axes if a not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -398,7 +421,7 @@ def loss_scaling(
             return skip_updates(out_shapes), inner_state
 
         # Good branch first: XLA:CPU inserts fewer copies for this order.
-        new_updates, inner_state = lax.cond(apply, apply_inner, skip, (updates, state.inner_state))
+        new_updates, inner_state = cond(apply, apply_inner, skip, (updates, state.inner_state))
         return new_updates, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)
 
     # What `lossscale_jax.apply_gradients` needs to run the same step fused.

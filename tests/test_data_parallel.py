@@ -300,6 +300,107 @@ def test_saturated_values_that_cancel_in_the_mean_still_skip(mapper, mode):
 
 
 # --------------------------------------------------------------------------
+# A missing axis_name is refused when the update is traced (what JAX lets it see).
+
+
+def _shard_map_update(tx, *, average_first=False, check_vma=True):
+    """The update under shard_map over AXIS, on each device's gradients (or their mean)."""
+    mesh = jax.make_mesh((N,), (AXIS,), devices=jax.devices()[:N])
+
+    def body(params, opt_state, g):
+        g = jax.tree_util.tree_map(lambda a: a[0], g)
+        if average_first:
+            g = lax.pmean(g, AXIS)
+        updates, opt_state = tx.update(g, opt_state, params)
+        out = optax.apply_updates(params, updates), opt_state
+        return jax.tree_util.tree_map(lambda a: a[None], out)
+
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(AXIS), check_vma=check_vma
+        )
+    )
+    grads = local_grads(np.ones((N, 3, 2)))
+    grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
+    return lambda: fn(PARAMS, tx.init(PARAMS), grads)
+
+
+def test_missing_axis_name_is_refused_where_jax_shows_the_axis():
+    policy = lsj.DynamicScale()
+    plain = lsj.loss_scaling(optax.adam(LR), policy)
+    # shard_map, each device's own gradients: certain disagreement.
+    with pytest.raises(ValueError, match="'batch' .* and the gradients vary over it"):
+        _shard_map_update(plain)()
+    # pmap, or shard_map(check_vma=False): JAX does not say what varies.
+    with pytest.raises(ValueError, match="JAX does not say here whether the gradients vary"):
+        _shard_map_update(plain, average_first=True, check_vma=False)()
+    with pytest.raises(ValueError, match="JAX does not say here whether the gradients vary"):
+        run_mapped(
+            "pmap",
+            update_step(plain, "before"),
+            PARAMS,
+            plain.init(PARAMS),
+            [local_grads(np.ones((N, 3, 2)))],
+        )
+    # Gradients already averaged (the same on every device): fine in "ieee" mode ...
+    _, state = _shard_map_update(plain, average_first=True)()
+    assert_same_on_every_device(state)
+    # ... refused in "saturating"/"both", where +-65504 can cancel in the mean.
+    for mode in ("saturating", "both"):
+        sat = lsj.loss_scaling(optax.adam(LR), policy, overflow=mode)
+        with pytest.raises(ValueError, match="the gradients are the same on every device"):
+            _shard_map_update(sat, average_first=True)()
+    # The opt-outs: axis_name reduces the flag; local_axes keeps each device's own decision.
+    reduced = lsj.loss_scaling(optax.adam(LR), policy, axis_name=AXIS)
+    _shard_map_update(reduced, average_first=True)()
+    local = lsj.loss_scaling(optax.adam(LR), policy, local_axes=AXIS)
+    _shard_map_update(local)()
+    with pytest.raises(ValueError, match="local_axes and axis_name both name"):
+        lsj.loss_scaling(optax.adam(LR), policy, axis_name=AXIS, local_axes=AXIS)
+    # A second mesh axis left out of axis_name is named.
+    mesh2 = jax.make_mesh((2, N // 2), AXES_2D, devices=jax.devices()[:N])
+    half = lsj.loss_scaling(optax.adam(LR), policy, axis_name="data")
+
+    def body(p, s, g):
+        return half.update(jax.tree_util.tree_map(lambda a: a[0], g), s, p)[1].loss_scale.scale
+
+    g = jax.device_put(local_grads(np.ones((N, 3, 2))), NamedSharding(mesh2, P(AXES_2D)))
+    sm = jax.shard_map(body, mesh=mesh2, in_specs=(P(), P(), P(AXES_2D)), out_specs=P())
+    with pytest.raises(ValueError, match="mapped axis 'replica'"):
+        jax.jit(sm)(PARAMS, half.init(PARAMS), g)
+
+
+def test_multi_steps_under_shard_map_accumulates_per_device():
+    """Each device accumulates its own gradients; one device's overflow skips every window."""
+    mesh = jax.make_mesh((N,), (AXIS,), devices=jax.devices()[:N])
+    average = optax.stateless(lambda g, p: lax.pmean(g, AXIS))
+    tx = lsj.loss_scaling_multi_steps(
+        optax.chain(average, optax.sgd(1.0)), lsj.StaticScale(4.0), 2, axis_name=AXIS
+    )
+
+    def body(params, opt_state, g1, g2):
+        for g in (g1, g2):
+            g = jax.tree_util.tree_map(lambda a: a[0], g)
+            updates, opt_state = tx.update(g, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, lsj.get_loss_scale_state(opt_state).last_skipped
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)), out_specs=P())
+    )
+    put = lambda a: jax.device_put(local_grads(a), NamedSharding(mesh, P(AXIS)))  # noqa: E731
+    clean = np.full((N, 3, 2), 4.0)
+    poisoned = clean.copy()
+    poisoned[5, 0, 1] = np.inf
+    params, skipped = fn(PARAMS, tx.init(PARAMS), put(clean), put(clean))
+    assert not bool(skipped)
+    np.testing.assert_array_equal(params["w"], PARAMS["w"] - 1.0)  # mean of 4/4 over 2 and 8
+    params, skipped = fn(PARAMS, tx.init(PARAMS), put(clean), put(poisoned))
+    assert bool(skipped)
+    np.testing.assert_array_equal(params["w"], PARAMS["w"])
+
+
+# --------------------------------------------------------------------------
 # A model trained for many steps: one compiled scan, random injections.
 
 FEATURES, LOCAL_BATCH = 3, 4

@@ -187,6 +187,45 @@ def test_create_validates():
         state.apply_gradients(grads=grads, batch_stats={"mean": jnp.zeros(1)})
 
 
+def test_accumulation_counts_windows_and_never_keeps_bad_statistics():
+    """The reported case: loss_scaling_multi_steps(k=4), inf in micro-batch 1 of 8.
+
+    step after each micro-batch: 0 0 0 0 | 0 0 0 1 (the first window is skipped, the second
+    applied); batch_stats: kept from micro-batch 0, frozen from micro-batch 1 to the end of
+    the bad window, then updated again by the next window's forward passes.
+    """
+    model = Net()
+    variables = model.init(jax.random.key(0), batch(0)[0])
+    tx = lsj.loss_scaling_multi_steps(optax.adam(1e-2), lsj.DynamicScale(init_scale=2.0**10), 4)
+    state = lsj.TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=tx,
+        batch_stats=variables["batch_stats"],
+    )
+    counting = state.replace(count_skipped_steps=True)
+    step, traces = make_step()
+    steps, counted, stats = [], [], []
+    for i in range(8):
+        x, y = batch(10 + i, poison=(i == 1))
+        state, counting = step(state, x, y), step(counting, x, y)
+        steps.append(int(state.step))
+        counted.append(int(counting.step))
+        stats.append(state.batch_stats)
+        leaves = jax.tree_util.tree_leaves(state.batch_stats)
+        assert all(bool(jnp.all(jnp.isfinite(v))) for v in leaves), i
+    assert steps == [0, 0, 0, 0, 0, 0, 0, 1]
+    assert counted == [0, 0, 0, 1, 1, 1, 1, 2]  # windows, the skipped one included
+    for i in (1, 2, 3):
+        assert_trees_equal(stats[i], stats[0])
+    assert not bool(
+        jnp.all(jax.tree_util.tree_leaves(stats[4])[0] == jax.tree_util.tree_leaves(stats[3])[0])
+    )
+    ls = lsj.get_loss_scale_state(state.opt_state)
+    assert int(ls.total_steps) == 2 and int(ls.skipped_steps) == 1
+    assert len(traces) == 2  # one compilation per TrainState configuration, 8 steps each
+
+
 class NnxNet(nnx.Module):
     def __init__(self, rngs):
         self.dense = nnx.Linear(3, 4, dtype=F16, param_dtype=F32, rngs=rngs)

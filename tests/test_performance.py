@@ -333,3 +333,42 @@ def test_benchmark_quick_run(tmp_path):
     assert by_name["flax"]["param_sized_selects"] > 0
     table = (tmp_path / "results.md").read_text()
     assert "| lsj_fused_ieee |" in table and (tmp_path / "results.json").exists()
+
+
+def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
+    """A skipped step's updates are -0.0 (params + updates keeps -0.0 parameters): the same
+    compiled step, op for op and byte for byte, as with +0.0 (which would not keep them)."""
+    from lossscale_jax import transform
+
+    rng = np.random.default_rng(3)
+    params = _params(rng, jnp.float32)
+    params["b1"] = params["b1"].at[0].set(-0.0)
+    grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
+    bad = jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+    inner = optax.adam(1e-3)
+
+    def compiled():
+        tx = lsj.loss_scaling(inner, lsj.DynamicScale())
+        step = _steps(tx, inner)["optax"][0]
+        new_params, _ = jax.jit(step)(params, tx.init(params), bad)  # a skipped step
+        return _compile(step, tx.init, params, grads), new_params
+
+    def histogram(text):
+        comps, _ = _parse_hlo(text)
+        return sorted(
+            (i["op"], i["shape"]) for c in comps.values() for i in c if i["op"] != "constant"
+        )
+
+    negative, kept = compiled()
+    _assert_bitwise_equal(kept, params)  # -0.0 stays -0.0
+    plus = transform.skip_updates
+    monkeypatch.setattr(
+        transform,
+        "skip_updates",
+        lambda shapes: jax.tree_util.tree_map(jnp.zeros_like, plus(shapes)),
+    )
+    positive, flipped = compiled()
+    assert np.signbit(np.asarray(kept["b1"][0])) and not np.signbit(np.asarray(flipped["b1"][0]))
+    assert histogram(negative.as_text()) == histogram(positive.as_text())
+    mem_n, mem_p = negative.memory_analysis(), positive.memory_analysis()
+    assert mem_n.temp_size_in_bytes == mem_p.temp_size_in_bytes

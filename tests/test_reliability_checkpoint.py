@@ -164,3 +164,38 @@ def test_other_mismatches_are_named(tmp_path):
         lsj.check_checkpoint(state, lsj.loss_scaling(optax.sgd(0.1), POLICY).init(PARAMS))
     with pytest.raises(TypeError, match="encoded"):
         lsj.restore_flax(state, "not bytes")
+
+
+def test_a_checkpoint_saved_under_another_policy_is_reported(tmp_path):
+    """The issue's case: overflows, so the user lowers the scale and resumes the checkpoint."""
+    saved = lsj.loss_scaling(optax.adam(1e-2), lsj.DynamicScale(init_scale=2.0**15)).init(PARAMS)
+    save_orbax(tmp_path / "ck", saved)
+    lower = lsj.StaticScale(8.0)
+    target = lsj.loss_scaling(optax.adam(1e-2), lower).init(PARAMS)
+    message = r"has scale 32768\.0, which StaticScale\(scale=8\.0.*switch_policy"
+    with pytest.raises(ValueError, match=message):
+        lsj.restore_orbax(tmp_path / "ck", target, policy=lower)
+    with pytest.raises(ValueError, match=message):
+        lsj.restore_flax(target, serialization.to_bytes(saved), policy=lower)
+    with pytest.raises(ValueError, match=message):
+        lsj.check_checkpoint(target, serialization.to_state_dict(saved), policy=lower)
+    with pytest.raises(ValueError, match=message):
+        lsj.check_checkpoint(target, saved, policy=lower)
+    # Outside a dynamic policy's bounds: reported too.
+    capped = lsj.DynamicScale(init_scale=16.0, max_scale=16.0)
+    with pytest.raises(ValueError, match="would not hold \\(it keeps 16.0\\)"):
+        lsj.restore_flax(target, serialization.to_bytes(saved), policy=capped)
+    # An Orbax metadata tree has no values to check.
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(tmp_path / "ck")
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    with pytest.raises(TypeError, match="needs the checkpoint's values"):
+        lsj.check_checkpoint(target, tree, policy=lower)
+    # The fix the message names: restore as saved, then switch; the counters are kept.
+    restored = lsj.switch_policy(lsj.restore_orbax(tmp_path / "ck", target), lower)
+    assert float(lsj.scale_loss(jnp.float32(1.0), restored)) == 8.0
+    # A checkpoint the policy would hold passes.
+    same = lsj.DynamicScale(init_scale=2.0**15)
+    lsj.restore_orbax(tmp_path / "ck", target, policy=same)
+    lsj.restore_flax(target, serialization.to_bytes(saved), policy=same)
+    lsj.check_checkpoint(target, serialization.to_state_dict(saved), policy=same)
