@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import serialization
 
 import lossscale_jax as lsj
 
@@ -37,6 +38,58 @@ def unbound_axis():
 
 def checkpoint_without_loss_scaling():
     lsj.check_checkpoint(STATE, optax.sgd(0.1).init(PARAMS))
+
+
+def read(tx):
+    """What scale_loss, metrics and TrainState.create do first: read the loss-scale state."""
+    return lambda: lsj.scale_loss(jnp.float32(1.0), tx.init(PARAMS))
+
+
+def _ls():
+    return lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale())
+
+
+def under_pmap(tx, grads_fn=lambda g: g):
+    """tx.update under jax.pmap over "batch" (8 devices), on each device's gradients."""
+
+    def step(p, s, g):
+        return tx.update(grads_fn(g), s, p)[1]
+
+    rep = lambda t: jax.tree_util.tree_map(lambda a: np.broadcast_to(a, (8, *a.shape)), t)  # noqa: E731
+    return lambda: jax.pmap(step, axis_name="batch")(rep(PARAMS), rep(tx.init(PARAMS)), rep(G16))
+
+
+def under_shard_map(tx, average_first=False):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("batch",), devices=jax.devices()[:8])
+
+    def body(p, s, g):
+        g = jax.tree_util.tree_map(lambda a: a[0], g)
+        if average_first:
+            g = jax.lax.pmean(g, "batch")
+        return tx.update(g, s, p)[1].loss_scale.scale
+
+    g = jax.device_put(
+        jax.tree_util.tree_map(lambda a: np.broadcast_to(a, (8, *a.shape)), G16),
+        NamedSharding(mesh, P("batch")),
+    )
+    sm = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("batch")), out_specs=P())
+    return lambda: jax.jit(sm)(PARAMS, tx.init(PARAMS), g)
+
+
+def restore_under_another_policy():
+    saved = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**15)).init(PARAMS)
+    lsj.restore_flax(STATE, serialization.to_bytes(saved), policy=lsj.StaticScale(8.0))
+
+
+def policy_without_conform():
+    class Mine(lsj.LossScalePolicy):
+        def init(self):
+            return lsj.StaticScale(2.0).init()
+
+    lsj.switch_policy(STATE, Mine())
 
 
 # (mistake, call, exception, message excerpt as it appears in docs/errors.md)
@@ -182,6 +235,161 @@ CASES = [
         checkpoint_without_loss_scaling,
         ValueError,
         "The checkpoint holds no loss-scale state",
+    ),
+    # ---- issue: nothing bad reaches training in any composition ----
+    (
+        "compute_dtype float64",
+        lambda: lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(), compute_dtype=float),
+        ValueError,
+        "compute_dtype must be one of ('float16', 'bfloat16', 'float32')",
+    ),
+    (
+        "unscale scale 0",
+        lambda: lsj.unscale_and_check(G16, 0.0),
+        ValueError,
+        "scale must be a finite number > 0, got 0.0: unscaling by it would return",
+    ),
+    (
+        "unscale vector scale",
+        lambda: lsj.unscale(G16, np.ones(2)),
+        ValueError,
+        "scale must be a scalar, got shape (2,)",
+    ),
+    (
+        "traced hyperparameter",
+        lambda: jax.jit(lambda s: lsj.StaticScale(s).init().scale)(jnp.float32(8.0)),
+        TypeError,
+        "scale must be a concrete number, got a traced value",
+    ),
+    (
+        "loss_scaling(loss_scaling)",
+        lambda: lsj.loss_scaling(_ls(), lsj.DynamicScale()),
+        ValueError,
+        "inner is itself lossscale_jax.loss_scaling(...)",
+    ),
+    (
+        "loss_scaling(chain(loss_scaling))",
+        lambda: lsj.loss_scaling(optax.chain(_ls()), lsj.DynamicScale()).init(PARAMS),
+        ValueError,
+        "inner holds another loss scaling",
+    ),
+    (
+        "loss_scaling(MultiSteps)",
+        lambda: lsj.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2), lsj.NoScale()).init(PARAMS),
+        ValueError,
+        "inner holds optax.MultiSteps",
+    ),
+    (
+        "MultiSteps(loss_scaling)",
+        read(optax.MultiSteps(_ls(), 2)),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in optax.MultiSteps",
+    ),
+    (
+        "inject_hyperparams(loss_scaling)",
+        read(
+            optax.inject_hyperparams(
+                lambda learning_rate: lsj.loss_scaling(optax.sgd(learning_rate), lsj.NoScale())
+            )(learning_rate=0.1)
+        ),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in optax.inject_hyperparams",
+    ),
+    (
+        "masked(loss_scaling)",
+        read(optax.masked(_ls(), {"w": True})),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in optax.masked",
+    ),
+    (
+        "multi_transform(loss_scaling)",
+        read(optax.multi_transform({"a": _ls()}, {"w": "a"})),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in optax.multi_transform",
+    ),
+    (
+        "apply_if_finite(loss_scaling)",
+        read(optax.apply_if_finite(_ls(), 3)),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in optax.apply_if_finite",
+    ),
+    (
+        "conditionally_transform(loss_scaling)",
+        read(optax.conditionally_transform(_ls(), lambda step: step > 1)),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in optax.conditionally_mask/conditionally_transform",
+    ),
+    (
+        "other optax wrapper",
+        lambda: lsj.get_loss_scale_state(
+            optax.lookahead(_ls(), 2, 0.5).init(optax.LookaheadParams.init_synced(PARAMS))
+        ),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in an optax transformation whose state is",
+    ),
+    (
+        "chain(clip, loss_scaling)",
+        read(optax.chain(optax.clip_by_global_norm(1.0), _ls())),
+        ValueError,
+        "lossscale_jax.loss_scaling is one of 2 transformations in an optax.chain",
+    ),
+    (
+        "TrainState of a tx without loss_scaling that returns a bare LossScaleState",
+        lambda: lsj.TrainState.create(
+            apply_fn=None,
+            params=PARAMS,
+            tx=optax.GradientTransformation(lambda p: lsj.NoScale().init(), None),
+        ),
+        ValueError,
+        "the optimizer state holds a bare LossScaleState",
+    ),
+    (
+        "pmap without axis_name",
+        under_pmap(_ls()),
+        ValueError,
+        "does not name it, and JAX does not say here whether the gradients vary over it",
+    ),
+    (
+        "shard_map, varying gradients, no axis_name",
+        under_shard_map(_ls()),
+        ValueError,
+        "does not name it, and the gradients vary over it",
+    ),
+    (
+        "shard_map, averaged gradients, saturating, no axis_name",
+        under_shard_map(
+            lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(), overflow="saturating"), True
+        ),
+        ValueError,
+        "does not name it, and the gradients are the same on every device",
+    ),
+    (
+        "local_axes overlaps axis_name",
+        lambda: lsj.loss_scaling(optax.sgd(0.1), lsj.NoScale(), axis_name="b", local_axes="b"),
+        ValueError,
+        "local_axes and axis_name both name",
+    ),
+    (
+        "restore under another policy",
+        restore_under_another_policy,
+        ValueError,
+        "which StaticScale(scale=8.0, skip_on_overflow=True) would not hold",
+    ),
+    (
+        "check_checkpoint(policy=) on metadata",
+        lambda: lsj.check_checkpoint(
+            STATE,
+            jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), STATE),
+            policy=lsj.DynamicScale(),
+        ),
+        TypeError,
+        "check_checkpoint(policy=...) needs the checkpoint's values",
+    ),
+    (
+        "policy without conform",
+        policy_without_conform,
+        NotImplementedError,
+        "does not implement conform(state)",
     ),
 ]
 
