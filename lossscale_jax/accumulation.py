@@ -13,12 +13,12 @@ from lossscale_jax.policies import LossScalePolicy, LossScaleState, _check_int
 from lossscale_jax.transform import (
     AxisName,
     LossScalingState,
+    _check_mapped_axes,
+    _refuse_nested_inner,
+    _refuse_nested_state,
+    _skip_updates,
     _validate_axes,
-    check_mapped_axes,
     reduce_overflow,
-    refuse_nested_inner,
-    refuse_nested_state,
-    skip_updates,
 )
 
 
@@ -41,10 +41,10 @@ class LossScalingMultiStepsState(NamedTuple):
     inner_state: optax.OptState
 
 
-transform.OWNER_TYPES.append(LossScalingMultiStepsState)
+transform._OWNER_TYPES.append(LossScalingMultiStepsState)
 
 
-class StepOutcome(NamedTuple):
+class _StepOutcome(NamedTuple):
     """What one update did, read from the new optimizer state (scalar bools).
 
     Attributes:
@@ -61,7 +61,7 @@ class StepOutcome(NamedTuple):
     discard: jax.Array
 
 
-def step_outcome(opt_state: Any) -> StepOutcome:
+def _step_outcome(opt_state: Any) -> _StepOutcome:
     """Reads from a new optimizer state what the update that produced it did.
 
     Rule::
@@ -84,14 +84,14 @@ def step_outcome(opt_state: Any) -> StepOutcome:
       ValueError: as ``get_loss_scale_state``, or if the state holds a bare
         ``LossScaleState`` (no loss-scaling transformation made it).
     """
-    loss_scale, owner = transform.locate(opt_state)
+    loss_scale, owner = transform._locate(opt_state)
     skipped = loss_scale.last_skipped
     if isinstance(owner, LossScalingState):
         true = jnp.ones([], jnp.bool_)
-        return StepOutcome(true, jnp.logical_not(skipped), skipped)
+        return _StepOutcome(true, jnp.logical_not(skipped), skipped)
     if isinstance(owner, LossScalingMultiStepsState):
         ended = owner.mini_step == 0
-        return StepOutcome(
+        return _StepOutcome(
             completed=ended,
             applied=jnp.logical_and(ended, jnp.logical_not(skipped)),
             discard=jnp.logical_or(owner.window_overflow, jnp.logical_and(ended, skipped)),
@@ -197,12 +197,12 @@ def loss_scaling_multi_steps(
     compute_dtype = numerics.validate_compute_dtype(compute_dtype)
     reduced, local = _validate_axes(axis_name, local_axes)
     on_stuck = stuck.validate_on_stuck(on_stuck)
-    refuse_nested_inner(inner, "loss_scaling_multi_steps")
+    _refuse_nested_inner(inner, "loss_scaling_multi_steps")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScalingMultiStepsState:
         inner_state = inner.init(params)
-        refuse_nested_state(inner_state, "loss_scaling_multi_steps")
+        _refuse_nested_state(inner_state, "loss_scaling_multi_steps")
         return LossScalingMultiStepsState(
             loss_scale=policy.init(),
             mini_step=jnp.zeros([], jnp.int32),
@@ -222,7 +222,7 @@ def loss_scaling_multi_steps(
                 "state must be the LossScalingMultiStepsState made by this transformation's "
                 f"init, got {type(state).__name__}."
             )
-        check_mapped_axes(updates, reduced, local, mode, "loss_scaling_multi_steps")
+        _check_mapped_axes(updates, reduced, local, mode, "loss_scaling_multi_steps")
         grads, found = numerics.unscale_and_check(
             updates, state.loss_scale.scale, params=params, mode=mode, compute_dtype=compute_dtype
         )
@@ -233,7 +233,7 @@ def loss_scaling_multi_steps(
                 return acc
             return acc + g.astype(acc.dtype)
 
-        acc = transform.cond(
+        acc = transform._cond(
             window_overflow,
             lambda a, g: a,
             lambda a, g: jax.tree_util.tree_map(add, a, g),
@@ -256,12 +256,12 @@ def loss_scaling_multi_steps(
         out_shapes = jax.eval_shape(apply_inner, (mean_of(acc), state.inner_state))[0]
 
         def zeros():
-            return skip_updates(out_shapes)
+            return _skip_updates(out_shapes)
 
         def finish(acc_tree):
             loss_scale = policy.adjust(state.loss_scale, window_overflow)
             stuck.check_stuck(loss_scale, on_stuck)
-            new_updates, inner_state = transform.cond(
+            new_updates, inner_state = transform._cond(
                 jnp.logical_not(loss_scale.last_skipped),
                 apply_inner,
                 lambda operands: (zeros(), operands[1]),
@@ -284,7 +284,7 @@ def loss_scaling_multi_steps(
                 inner_state=state.inner_state,
             )
 
-        return transform.cond(state.mini_step >= every_k - 1, finish, accumulate, acc)
+        return transform._cond(state.mini_step >= every_k - 1, finish, accumulate, acc)
 
     setattr(update_fn, transform._KIND, "loss_scaling_multi_steps")
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

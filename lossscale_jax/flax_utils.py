@@ -4,7 +4,7 @@
 ``LossScaleOptimizer`` subclasses Flax NNX's ``nnx.Optimizer``. Both apply the
 gradients through a ``loss_scaling`` (or ``loss_scaling_multi_steps``)
 transformation and read what the update did from the new optimizer state
-(``accumulation.step_outcome``): whether an optimizer step completed, whether
+(``accumulation._step_outcome``): whether an optimizer step completed, whether
 it was applied, and whether this call's model collections must be discarded.
 
 Mixed precision itself is Flax's own: build the model with
@@ -22,14 +22,14 @@ import optax
 from flax import nnx, struct
 from flax.training import train_state
 
-from lossscale_jax.accumulation import StepOutcome, step_outcome
+from lossscale_jax.accumulation import _step_outcome, _StepOutcome
 from lossscale_jax.fused import apply_gradients
 from lossscale_jax.transform import LossScalingState
 
 
 def _check_loss_scaled(opt_state: Any, where: str) -> None:
     try:
-        step_outcome(opt_state)
+        _step_outcome(opt_state)
     except ValueError as e:
         if str(e).startswith(("opt_state contains", "the optimizer state holds a bare")):
             raise ValueError(
@@ -63,10 +63,10 @@ def _apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra_a
     else:
         updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
         new_params = optax.apply_updates(params, updates)
-    return new_params, new_opt_state, step_outcome(new_opt_state)
+    return new_params, new_opt_state, _step_outcome(new_opt_state)
 
 
-def _advance(step: Any, outcome: StepOutcome, count_skipped: bool) -> jax.Array:
+def _advance(step: Any, outcome: _StepOutcome, count_skipped: bool) -> jax.Array:
     """``step + 1`` for each applied update (each completed one if ``count_skipped``)."""
     step = jnp.asarray(step)
     one = jnp.ones([], step.dtype)

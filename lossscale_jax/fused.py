@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from lossscale_jax import numerics
-from lossscale_jax.transform import LossScalingState, cond
+from lossscale_jax.transform import LossScalingState, _cond
 
 
 def _parts(tx: Any) -> Any:
@@ -105,7 +105,7 @@ def apply_gradients(
         return p, inner_state
 
     # Good branch first: XLA:CPU inserts fewer copies for this order.
-    new_params, inner_state = cond(
+    new_params, inner_state = _cond(
         apply, good, skip, (grads, opt_state.inner_state, params, neg_zero)
     )
     return new_params, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)

@@ -79,7 +79,18 @@ def _varying_axes(x: Any) -> frozenset | None:
     return None if vma is None else frozenset(vma)
 
 
-def check_mapped_axes(
+def _manual_axes() -> tuple:
+    """The mesh axes bound here by ``jax.pmap``/``jax.shard_map`` (empty elsewhere)."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+
+
+def _tracks_varying(axis: Hashable) -> bool:
+    """Whether JAX marks values varying over ``axis`` here (shard_map with check_vma)."""
+    index = jax.eval_shape(lambda: lax.axis_index(axis))
+    return axis in (_varying_axes(index) or ())
+
+
+def _check_mapped_axes(
     updates: Any, axis_names: tuple, local_axes: tuple, mode: str, where: str
 ) -> None:
     """Refuses, at trace time, an update that would let devices disagree on the skip.
@@ -93,9 +104,7 @@ def check_mapped_axes(
       elif mode != "ieee":                raise  # already summed: +-65504 can cancel
       # else: the gradients are the same on every device, so is the decision
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
-    unreduced = [a for a in manual if a not in axis_names and a not in local_axes]
+    unreduced = [a for a in _manual_axes() if a not in axis_names and a not in local_axes]
     if not unreduced:
         return
     varying: set = set()
@@ -112,8 +121,7 @@ def check_mapped_axes(
             f"decision; right also for gradients already averaged over {a!r}), or "
             f"local_axes={a!r} if each device trains its own model and must decide alone."
         )
-        tracked = a in (_varying_axes(jax.eval_shape(lambda a=a: lax.axis_index(a))) or ())
-        if not tracked:
+        if not _tracks_varying(a):
             raise ValueError(
                 f"{head}, and JAX does not say here whether the gradients vary over it "
                 "(jax.pmap, or jax.shard_map(check_vma=False)). If they do, devices take "
@@ -187,7 +195,7 @@ def reduce_overflow(overflow: ArrayLike, axis_name: AxisName | None) -> jax.Arra
         ) from e
 
 
-def skip_updates(shapes: Any) -> Any:
+def _skip_updates(shapes: Any) -> Any:
     """The updates of a skipped step: ``-0.0`` for floating leaves, 0 for others.
 
     ``p + -0.0`` is ``p`` bit for bit for every ``p`` (``-0.0`` included), where
@@ -202,15 +210,16 @@ def skip_updates(shapes: Any) -> Any:
     return jax.tree_util.tree_map(leaf, shapes)
 
 
-def cond(pred: jax.Array, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+def _cond(pred: jax.Array, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
     """``lax.cond``, whose branches may differ in what varies over ``shard_map`` axes.
 
     Under ``shard_map`` each output is marked varying over the union of the axes
     either branch's output varies over (e.g. Adam's moments computed from each
     device's own gradients versus the replicated moments a skipped step keeps).
-    Elsewhere it is ``lax.cond`` itself: nothing is added to the step.
+    Elsewhere (``jit``, ``pmap``, ``shard_map(check_vma=False)``) it is
+    ``lax.cond`` itself: nothing is added to the step.
     """
-    if not tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()):
+    if not any(_tracks_varying(a) for a in _manual_axes()):
         return lax.cond(pred, true_fun, false_fun, *operands)
     shapes = [jax.eval_shape(f, *operands) for f in (true_fun, false_fun)]
 
@@ -238,7 +247,7 @@ def _pcast_to(x: Any, axes: frozenset) -> Any:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def refuse_nested_inner(inner: Any, where: str) -> None:
+def _refuse_nested_inner(inner: Any, where: str) -> None:
     """Refuses a loss-scaling transformation as the inner one (it would unscale twice)."""
     kind = getattr(getattr(inner, "update", None), _KIND, None)
     if kind is not None:
@@ -250,7 +259,7 @@ def refuse_nested_inner(inner: Any, where: str) -> None:
         )
 
 
-def refuse_nested_state(inner_state: Any, where: str) -> None:
+def _refuse_nested_state(inner_state: Any, where: str) -> None:
     """Refuses an inner state that holds a loss-scale state or an optax.MultiSteps state."""
 
     def marked(x: Any) -> bool:
@@ -371,19 +380,19 @@ def loss_scaling(
     compute_dtype = numerics.validate_compute_dtype(compute_dtype)
     reduced, local = _validate_axes(axis_name, local_axes)
     on_stuck = stuck.validate_on_stuck(on_stuck)
-    refuse_nested_inner(inner, "loss_scaling")
+    _refuse_nested_inner(inner, "loss_scaling")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScalingState:
         inner_state = inner.init(params)
-        refuse_nested_state(inner_state, "loss_scaling")
+        _refuse_nested_state(inner_state, "loss_scaling")
         return LossScalingState(loss_scale=policy.init(), inner_state=inner_state)
 
     def decide(
         updates: optax.Updates, loss_scale: LossScaleState
     ) -> tuple[LossScaleState, jax.Array]:
         """The adjusted loss-scale state and whether to apply the update."""
-        check_mapped_axes(updates, reduced, local, mode, "loss_scaling")
+        _check_mapped_axes(updates, reduced, local, mode, "loss_scaling")
         # One read of the scaled gradients; the unscale happens inside the
         # conditional, fused with the inner update (no unscaled copy is
         # written to memory).
@@ -418,10 +427,10 @@ def loss_scaling(
 
         def skip(operands):
             _, inner_state = operands
-            return skip_updates(out_shapes), inner_state
+            return _skip_updates(out_shapes), inner_state
 
         # Good branch first: XLA:CPU inserts fewer copies for this order.
-        new_updates, inner_state = cond(apply, apply_inner, skip, (updates, state.inner_state))
+        new_updates, inner_state = _cond(apply, apply_inner, skip, (updates, state.inner_state))
         return new_updates, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)
 
     # What `lossscale_jax.apply_gradients` needs to run the same step fused.
@@ -437,7 +446,7 @@ def _is_loss_scale_state(x: Any) -> bool:
 
 # States whose ``loss_scale`` field is the LossScaleState of a loss-scaling
 # transformation of this library (``accumulation`` adds its own).
-OWNER_TYPES: list[type] = [LossScalingState]
+_OWNER_TYPES: list[type] = [LossScalingState]
 
 _INSIDE_CHAIN = (
     "lossscale_jax.loss_scaling is one of {n} transformations in an optax.chain (a tuple "
@@ -516,7 +525,7 @@ def _check_path(root: Any, path: tuple) -> Any:
     """
     node, owner = root, None
     for key in path:
-        if type(node) in OWNER_TYPES:
+        if type(node) in _OWNER_TYPES:
             owner = node
         elif type(node) is tuple and len(node) > 1:
             raise ValueError(_INSIDE_CHAIN.format(n=len(node)))
@@ -526,7 +535,7 @@ def _check_path(root: Any, path: tuple) -> Any:
     return owner
 
 
-def locate(opt_state: Any) -> tuple[LossScaleState, Any]:
+def _locate(opt_state: Any) -> tuple[LossScaleState, Any]:
     """``(loss_scale_state, owner)``: the one LossScaleState and the state holding it.
 
     ``owner`` is the ``LossScalingState``/``LossScalingMultiStepsState`` whose
@@ -598,7 +607,7 @@ def get_loss_scale_state(opt_state: Any) -> LossScaleState:
       ...     print(str(e)[:60])
       lossscale_jax.loss_scaling is wrapped in optax.MultiSteps: i
     """
-    return locate(opt_state)[0]
+    return _locate(opt_state)[0]
 
 
 def switch_policy(opt_state: Any, policy: LossScalePolicy) -> Any:

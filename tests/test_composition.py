@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale_jax as lsj
-from lossscale_jax.transform import locate
+from lossscale_jax.transform import _locate
 
 K = 3  # micro-batches per window
 MODES = ("ieee", "saturating", "both")
@@ -123,7 +123,7 @@ class View(NamedTuple):
 
 
 def inner_of(opt_state: Any) -> Any:
-    return locate(opt_state)[1].inner_state
+    return _locate(opt_state)[1].inner_state
 
 
 # ------------------------------------------------------------------ runners
