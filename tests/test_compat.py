@@ -700,8 +700,14 @@ def test_constructors_reject_bad_arguments(build, match):
         build()
 
 
-def test_namespaces_are_not_instantiable():
-    with pytest.raises(TypeError, match="namespace"):
+def test_each_framework_is_a_module_of_the_compat_package():
+    import importlib
+
+    for name in compat.__all__:
+        module = importlib.import_module(f"lossscale_jax.compat.{name}")
+        assert getattr(compat, name) is module
+    assert compat.npu.ExponentialUpdateLossScaleManager.__module__ == "lossscale_jax.compat.npu"
+    with pytest.raises(TypeError, match="not callable"):
         compat.torch()
 
 
