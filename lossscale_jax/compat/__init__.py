@@ -11,9 +11,10 @@ library's float32 state differs from it.
 module          originals
 ==============  ===========================================================
 ``npu``         Huawei Ascend ``npu_bridge`` and TF1 ``contrib.mixed_precision``
-``torch``       ``torch.amp.GradScaler``
-``apex``        NVIDIA apex ``amp`` ``LossScaler``
-``deepspeed``   DeepSpeed ``DynamicLossScaler``
+``torch``       ``torch.amp.GradScaler`` (one or several optimizers)
+``apex``        NVIDIA apex ``amp`` ``LossScaler``, ``update_scale_hysteresis``
+``deepspeed``   DeepSpeed ``DynamicLossScaler`` (ZeRO), ``FP16_Optimizer``,
+                ``FP16_UnfusedOptimizer`` (fp16 without ZeRO)
 ``megatron``    Megatron-LM ``DynamicGradScaler`` / ``ConstantGradScaler``
 ``keras``       Keras 3 ``LossScaleOptimizer``
 ``cstorch``     Cerebras ``cstorch.amp.GradScaler`` / ``optimizer_step``
@@ -21,6 +22,12 @@ module          originals
 ``jmp``         jmp ``DynamicLossScale`` / ``StaticLossScale`` / ``NoOpLossScale``
 ``flax``        Flax ``flax.training.dynamic_scale.DynamicScale``
 ==============  ===========================================================
+
+Runs already training elsewhere come across with ``import_state`` (torch,
+DeepSpeed, Megatron, Keras, jmp, Flax; DeepSpeed's fp16 optimizers:
+``import_fp16_optimizer_state``), which returns ``(policy, LossScaleState)``
+from what the original saves, and ``set_loss_scale_state``, which puts the
+state into a fresh optimizer state; ``export_state`` goes the other way.
 
 Two deviations are shared and deliberate: the scale never becomes ``inf``
 (a growth whose float32 result is not finite is refused, where Megatron,
@@ -42,6 +49,7 @@ from lossscale_jax.compat import (
     npu,
     torch,
 )
+from lossscale_jax.compat._resume import set_loss_scale_state
 
 __all__ = [
     "apex",
@@ -53,5 +61,6 @@ __all__ = [
     "megatron",
     "mindspore",
     "npu",
+    "set_loss_scale_state",
     "torch",
 ]

@@ -1,11 +1,18 @@
-"""NVIDIA apex ``amp`` loss scaling (``apex/amp/scaler.py``, ``LossScaler``)."""
+"""NVIDIA apex: ``amp``'s ``LossScaler`` and the ``update_scale_hysteresis`` kernel.
+
+``LossScaler`` is ``apex/amp/scaler.py``; ``update_scale_hysteresis`` is the
+fused scale update of ``csrc/update_scale_hysteresis.cu`` (``amp_C``), used
+by scalers with hysteresis built on apex.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from lossscale_jax import policies
 from lossscale_jax.compat._common import (
+    _INF,
     _TINY,
     _build,
     _int,
@@ -79,4 +86,88 @@ def LossScaler(
         growth_interval=_int("scale_window", scale_window),
         min_scale=lo,
         max_scale=hi,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _ApexHysteresisScale(policies.DynamicScale):
+    """``DynamicScale`` that also takes ``growth_factor=1`` (a growth that changes nothing).
+
+    apex's kernel accepts a factor of 1 (its tests use it); the scale then
+    only ever backs off.
+    """
+
+    def __post_init__(self) -> None:
+        if self.growth_factor == 1.0 and not isinstance(self.growth_factor, bool):
+            # Every other field is validated as DynamicScale validates it.
+            checked = dataclasses.replace(self, growth_factor=2.0)
+            for f in dataclasses.fields(self):
+                if f.name != "growth_factor":
+                    object.__setattr__(self, f.name, getattr(checked, f.name))
+            object.__setattr__(self, "growth_factor", 1.0)
+        else:
+            super().__post_init__()
+
+
+def update_scale_hysteresis(
+    init_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+) -> policies.DynamicScale:
+    """apex's fused scale update with hysteresis (``amp_C.update_scale_hysteresis``).
+
+    Rule (``update_scale_hysteresis_cuda_kernel``, float32 scale)::
+
+      if found_inf:
+          hysteresis_tracker -= 1
+          if hysteresis_tracker > 0: growth_tracker = 0; return   # skipped, no backoff
+          scale = scale * backoff_factor; growth_tracker = 0
+      else:
+          if growth_tracker + 1 == growth_interval:
+              if isfinite(scale * growth_factor): scale = scale * growth_factor
+              growth_tracker = 0
+          else:
+              growth_tracker += 1
+          hysteresis_tracker = hysteresis                        # every good step
+
+    Overflows back off only after ``hysteresis`` in a row, then every further
+    one until a good step: ``DynamicScale(hysteresis=hysteresis,
+    consecutive_hysteresis=True, sticky_hysteresis=True)``. A
+    ``growth_factor`` of 1 is accepted, as apex accepts it. The kernel has no
+    floor (its scale flushes to 0 below ``2**-126``); here the scale stops at
+    ``2**-126``.
+
+    Args:
+      init_scale: the starting scale.
+      growth_factor: factor >= 1 applied after ``growth_interval`` good steps.
+      backoff_factor: factor in (0, 1).
+      growth_interval: good steps before a growth (int >= 1).
+      hysteresis: overflows in a row before a backoff (int >= 1).
+
+    Returns:
+      A ``DynamicScale``.
+
+    Examples:
+      >>> from lossscale_jax import compat
+      >>> p = compat.apex.update_scale_hysteresis(1024.0, 1.0, 0.5, 10, 2)
+      >>> p.growth_factor, p.hysteresis, p.sticky_hysteresis
+      (1.0, 2, True)
+    """
+    growth = _number("growth_factor", growth_factor)
+    if not growth >= 1.0:
+        raise ValueError(f"growth_factor must be >= 1, got {growth_factor!r}.")
+    return _build(
+        _ApexHysteresisScale,
+        {},
+        init_scale=_number("init_scale", init_scale),
+        growth_factor=growth,
+        backoff_factor=_number("backoff_factor", backoff_factor),
+        growth_interval=_int("growth_interval", growth_interval),
+        hysteresis=_int("hysteresis", hysteresis),
+        consecutive_hysteresis=True,
+        sticky_hysteresis=True,
+        min_scale=_TINY,
+        max_scale=_INF,
     )

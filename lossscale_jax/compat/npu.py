@@ -2,7 +2,9 @@
 
 ``npu_bridge.estimator.npu.npu_loss_scale_manager`` subclasses the TF1
 managers of ``tensorflow/contrib/mixed_precision/python/loss_scale_manager.py``
-and keeps their update rule; ``NPULossScaleOptimizer``
+and keeps their update rule, except the growth near float32's largest number
+(npu_bridge grows only while ``scale < 3.4e+38 / incr_ratio``; TF1 while the
+grown scale is finite); ``NPULossScaleOptimizer``
 (``npu_bridge/estimator/npu/npu_loss_scale_optimizer.py``) checks the
 device's float-status register and, when ``is_distributed``, all-reduces
 it so every device skips together.
@@ -10,9 +12,13 @@ it so every device skips together.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.typing import ArrayLike
 
 from lossscale_jax import policies
 from lossscale_jax.compat._common import (
@@ -23,7 +29,7 @@ from lossscale_jax.compat._common import (
     _int,
     _number,
 )
-from lossscale_jax.policies import LossScalePolicy, StaticScale
+from lossscale_jax.policies import LossScalePolicy, LossScaleState, StaticScale
 from lossscale_jax.transform import AxisName, loss_scaling
 
 
@@ -55,6 +61,24 @@ def FixedLossScaleManager(loss_scale: Any, enable_overflow_check: bool = True) -
     return _build(StaticScale, {"scale": "loss_scale"}, scale=scale, skip_on_overflow=check)
 
 
+# npu_loss_scale_manager.py, ``increase_loss_scale``: grow only while
+# ``loss_scale < (3.4e+38) / incr_ratio`` (a Python float, compared in float32).
+_NPU_GROWTH_LIMIT = 3.4e38
+
+
+@dataclasses.dataclass(frozen=True)
+class _NpuExponentialUpdate(policies.DynamicScale):
+    """``DynamicScale`` refusing a growth once ``scale >= float32(3.4e38 / growth_factor)``."""
+
+    def adjust(self, state: LossScaleState, overflow: ArrayLike) -> LossScaleState:
+        new = super().adjust(state, overflow)
+        limit = jnp.asarray(np.float32(_NPU_GROWTH_LIMIT / self.growth_factor), jnp.float32)
+        refused = jnp.logical_and(
+            jnp.logical_not(jnp.asarray(overflow, jnp.bool_)), state.scale >= limit
+        )
+        return new.replace(scale=jnp.where(refused, state.scale, new.scale))
+
+
 def ExponentialUpdateLossScaleManager(
     init_loss_scale: Any,
     incr_every_n_steps: int,
@@ -62,13 +86,13 @@ def ExponentialUpdateLossScaleManager(
     incr_ratio: float = 2,
     decr_ratio: float = 0.8,
 ) -> policies.DynamicScale:
-    """TF1's dynamic manager: good and bad steps counted until the scale changes.
+    """npu_bridge's dynamic manager: good and bad steps counted until the scale changes.
 
-    Rule (``update_loss_scale``, float32)::
+    Rule (npu_bridge's ``update_loss_scale``, float32)::
 
       if finite:
           if good_steps + 1 >= incr_every_n_steps:
-              if isfinite(scale * incr_ratio): scale = scale * incr_ratio
+              if scale < float32(3.4e38 / incr_ratio): scale = scale * incr_ratio
               good_steps = bad_steps = 0
           else:
               good_steps += 1                 # bad_steps are kept
@@ -80,7 +104,11 @@ def ExponentialUpdateLossScaleManager(
               bad_steps += 1; good_steps = 0
 
     This is ``DynamicScale(hysteresis=decr_every_n_nan_or_inf,
-    consecutive_hysteresis=False, min_scale=1, max_scale=inf)``.
+    consecutive_hysteresis=False, min_scale=1, max_scale=inf)`` with
+    npu_bridge's growth limit. TF1 contrib's manager, which npu_bridge
+    subclasses, grows instead while ``isfinite(scale * incr_ratio)``: the two
+    differ only for scales within a factor ``incr_ratio`` of float32's
+    largest number (TF1 can reach it, npu_bridge stops one growth short).
 
     Args:
       init_loss_scale: the starting scale (>= 1, the floor).
@@ -107,7 +135,7 @@ def ExponentialUpdateLossScaleManager(
         "backoff_factor": "decr_ratio",
     }
     return _build(
-        policies.DynamicScale,
+        _NpuExponentialUpdate,
         names,
         init_scale=_number("init_loss_scale", init_loss_scale),
         growth_factor=_number("incr_ratio", incr_ratio),
