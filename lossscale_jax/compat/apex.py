@@ -149,6 +149,10 @@ def update_scale_hysteresis(
     Returns:
       A ``DynamicScale``.
 
+    Raises:
+      ValueError: for ``growth_factor < 1`` or the other arguments out of ``DynamicScale``'s
+        ranges.
+
     Examples:
       >>> from lossscale_jax import compat
       >>> p = compat.apex.update_scale_hysteresis(1024.0, 1.0, 0.5, 10, 2)

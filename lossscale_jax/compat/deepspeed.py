@@ -295,6 +295,9 @@ def FP16_Optimizer(
     Returns:
       A ``loss_scaling`` transformation (``overflow="ieee"``).
 
+    Raises:
+      ValueError, TypeError: as ``fp16_optimizer_policy``.
+
     Examples:
       >>> import optax
       >>> from lossscale_jax import compat
@@ -328,6 +331,9 @@ def FP16_UnfusedOptimizer(
 
     Returns:
       A ``loss_scaling`` transformation (``overflow="ieee"``).
+
+    Raises:
+      ValueError, TypeError: as ``fp16_optimizer_policy``.
 
     Examples:
       >>> import optax
@@ -379,6 +385,10 @@ def import_state(loss_scaler: Any) -> tuple[LossScalePolicy, LossScaleState]:
       ``(policy, state)``. The raise at the minimum scale is not part of the
       policy: pass ``on_stuck="error"`` to ``loss_scaling`` when the saved
       ``raise_error_at_min_scale`` is True.
+
+    Raises:
+      ValueError: for a missing entry, a saved scale that is not finite and > 0, or a
+        counter outside the original's range. TypeError: for a value that is not a number.
 
     Examples:
       >>> from lossscale_jax import compat
@@ -439,6 +449,10 @@ def export_state(
 
     Returns:
       A dict of DeepSpeed's attribute names (Python numbers and bools).
+
+    Raises:
+      ValueError: if ``policy`` is not one DeepSpeed's DynamicLossScaler can express.
+      TypeError: if ``state`` is not a ``LossScaleState``.
 
     Examples:
       >>> from lossscale_jax import compat
@@ -507,6 +521,10 @@ def import_fp16_optimizer_state(
       ``(policy, state)``; ``lsj.loss_scaling(inner, policy)`` is the
       optimizer ``compat.deepspeed.FP16_Optimizer`` builds.
 
+    Raises:
+      ValueError: for a missing entry, a saved scale that is not finite and > 0, or a
+        counter outside the original's range. TypeError: for a value that is not a number.
+
     Examples:
       >>> from lossscale_jax import compat
       >>> saved = {"dynamic_loss_scale": True, "cur_scale": 512.0, "cur_iter": 7,
@@ -556,6 +574,10 @@ def export_fp16_optimizer_state(policy: LossScalePolicy, state: LossScaleState) 
 
     Returns:
       A dict of the keys ``FP16_Optimizer.state_dict()`` writes for the scale.
+
+    Raises:
+      ValueError: if ``policy`` is not one FP16_Optimizer can express.
+      TypeError: if ``state`` is not a ``LossScaleState``.
 
     Examples:
       >>> from lossscale_jax import compat

@@ -105,6 +105,10 @@ def import_state(dynamic_scale: Any) -> tuple[policies.DynamicScale, LossScaleSt
     Returns:
       ``(policy, state)``.
 
+    Raises:
+      ValueError: for a missing entry, a saved scale that is not finite and > 0, or a
+        counter outside the original's range. TypeError: for a value that is not a number.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> from flax.training.dynamic_scale import DynamicScale
@@ -154,6 +158,10 @@ def export_state(policy: policies.DynamicScale, state: LossScaleState) -> dict[s
 
     Returns:
       A dict of Flax's field names (NumPy 0-d arrays for the array fields).
+
+    Raises:
+      ValueError: if ``policy`` is not one Flax's DynamicScale can express.
+      TypeError: if ``state`` is not a ``LossScaleState``.
 
     Examples:
       >>> from flax.training.dynamic_scale import DynamicScale as FlaxDynamicScale

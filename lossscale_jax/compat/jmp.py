@@ -92,6 +92,10 @@ def DynamicLossScale(
     Returns:
       A ``DynamicScale``.
 
+    Raises:
+      ValueError: for ``factor <= 1``, ``min_loss_scale < 0``, a ``period`` that is not a
+        whole number >= 1, or ``counter`` outside ``[0, period)``.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> from lossscale_jax import compat
@@ -169,6 +173,10 @@ def import_state(loss_scale: Any) -> tuple[LossScalePolicy, LossScaleState]:
     Returns:
       ``(policy, state)``.
 
+    Raises:
+      ValueError: for a missing entry, a saved scale that is not finite and > 0, or a
+        counter outside the original's range. TypeError: for a value that is not a number.
+
     Examples:
       >>> import jmp, jax.numpy as jnp
       >>> from lossscale_jax import compat
@@ -219,6 +227,10 @@ def export_state(policy: LossScalePolicy, state: LossScaleState) -> dict[str, An
     Returns:
       A dict of jmp's field names: NumPy 0-d arrays for the arrays, Python
       numbers for ``period`` and ``factor``.
+
+    Raises:
+      ValueError: if ``policy`` is not one jmp's DynamicLossScale can express.
+      TypeError: if ``state`` is not a ``LossScaleState``.
 
     Examples:
       >>> import jmp

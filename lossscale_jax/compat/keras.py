@@ -188,6 +188,10 @@ def import_state(
       ``(policy, state)``; ``lsj.loss_scaling(inner, policy)`` is the
       transformation ``compat.keras.LossScaleOptimizer`` builds.
 
+    Raises:
+      ValueError: for a missing entry, a saved scale that is not finite and > 0, or a
+        counter outside the original's range. TypeError: for a value that is not a number.
+
     Examples:
       >>> from lossscale_jax import compat
       >>> policy, state = compat.keras.import_state(
@@ -226,6 +230,10 @@ def export_state(policy: policies.DynamicScale, state: LossScaleState) -> dict[s
 
     Returns:
       A dict of two NumPy 0-d arrays.
+
+    Raises:
+      ValueError: if ``policy`` is not one Keras's LossScaleOptimizer can express.
+      TypeError: if ``state`` is not a ``LossScaleState``.
 
     Examples:
       >>> from lossscale_jax import compat

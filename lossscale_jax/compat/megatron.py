@@ -200,6 +200,10 @@ def export_state(policy: policies.DynamicScale, state: LossScaleState) -> dict[s
     Returns:
       A dict of Megatron's keys; ``scale`` a float32 array of shape (1,).
 
+    Raises:
+      ValueError: if ``policy`` is not one Megatron's DynamicGradScaler can express.
+      TypeError: if ``state`` is not a ``LossScaleState``.
+
     Examples:
       >>> from lossscale_jax import compat
       >>> p = compat.megatron.DynamicGradScaler(2.0**16, 1.0, 2.0, 0.5, 1000, 2)

@@ -309,6 +309,10 @@ def multi_optimizer(
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       ``LossScalingState`` (``scale_loss``, ``metrics`` work on it).
 
+    Raises:
+      TypeError: if ``transforms`` is not a non-empty mapping or ``grad_scaler`` not a
+        policy. ValueError: for a bad ``overflow`` or ``axis_name``.
+
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import lossscale_jax as lsj
