@@ -23,7 +23,10 @@ def f32(x: float) -> np.float32:
 
 class TF1ExponentialUpdate:
     """tensorflow/contrib/mixed_precision/python/loss_scale_manager.py,
-    ``ExponentialUpdateLossScaleManager.update_loss_scale`` (npu_bridge's manager subclasses it).
+    ``ExponentialUpdateLossScaleManager.update_loss_scale``; with ``npu_bridge=True`` the override
+    in npu_bridge/estimator/npu/npu_loss_scale_manager.py, which grows only while
+    ``loss_scale < (3.4e+38) / incr_ratio`` (a Python float, compared in float32) instead of
+    while ``is_finite(loss_scale * incr_ratio)``.
     """
 
     def __init__(
@@ -33,7 +36,9 @@ class TF1ExponentialUpdate:
         decr_every_n_nan_or_inf=2,
         incr_ratio=2,
         decr_ratio=0.8,
+        npu_bridge=False,
     ):
+        self.npu_limit = F32(3.4e38 / incr_ratio) if npu_bridge else None
         self.loss_scale = F32(init_loss_scale)
         self.incr_every_n_steps = incr_every_n_steps
         self.decr_every_n_nan_or_inf = decr_every_n_nan_or_inf
@@ -47,7 +52,11 @@ class TF1ExponentialUpdate:
             if self.num_good_steps + 1 >= self.incr_every_n_steps:
                 with np.errstate(over="ignore"):
                     new = F32(self.loss_scale * self.incr_ratio)
-                if np.isfinite(new):
+                if self.npu_limit is not None:
+                    grows = self.loss_scale < self.npu_limit
+                else:
+                    grows = np.isfinite(new)
+                if grows:
                     self.loss_scale = new
                 self.num_good_steps = self.num_bad_steps = 0  # _reset_stats
             else:
@@ -224,6 +233,87 @@ class MegatronDynamicGradScaler:
                     self._scale = F32(self._scale * self.growth_factor)
         # MegatronOptimizer.step returns without stepping when found_inf.
         return self._scale, found_inf
+
+    def state_dict(self):
+        """``DynamicGradScaler.state_dict`` (the scale a float32 tensor of shape (1,))."""
+        return {
+            "scale": np.asarray([self._scale], np.float32),
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
+
+
+class DeepSpeedFP16Optimizer:
+    """deepspeed/runtime/fp16/fused_optimizer.py (``FP16_Optimizer``) and unfused_optimizer.py
+    (``FP16_UnfusedOptimizer``): ``__init__``'s dynamic branch, ``_update_scale`` and the
+    loss-scale entries of ``state_dict`` (Python numbers; fixed factor 2, no hysteresis).
+    """
+
+    def __init__(self, init_scale, scale_window, min_loss_scale):
+        self.dynamic_loss_scale = True
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_factor = 2
+        self.cur_scale = init_scale
+        self.scale_window = scale_window
+        self.min_loss_scale = min_loss_scale
+
+    def step(self, skip: bool):
+        if skip:
+            self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_loss_scale)
+            self.last_overflow_iter = self.cur_iter
+        else:
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if (stable_interval > 0) and (stable_interval % self.scale_window == 0):
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+        # FP16_Optimizer.step returns before the inner step on overflow.
+        return self.cur_scale, skip
+
+    def state_dict(self):
+        return {
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "scale_factor": self.scale_factor,
+            "scale_window": self.scale_window,
+        }
+
+
+class ApexUpdateScaleHysteresis:
+    """apex csrc/update_scale_hysteresis.cu, ``update_scale_hysteresis_cuda_kernel`` (a float32
+    scale, double factors, int trackers; no floor).
+    """
+
+    def __init__(self, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
+        self.scale = F32(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.growth_tracker = 0
+        self.hysteresis_tracker = hysteresis
+
+    def step(self, found_inf: bool):
+        if found_inf:
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker > 0:
+                self.growth_tracker = 0
+                return self.scale, found_inf
+            self.scale = f32(float(self.scale) * self.backoff_factor)
+            self.growth_tracker = 0
+        else:
+            successful = self.growth_tracker + 1
+            if successful == self.growth_interval:
+                new_scale = f32(float(self.scale) * self.growth_factor)
+                if np.isfinite(new_scale):
+                    self.scale = new_scale
+                self.growth_tracker = 0
+            else:
+                self.growth_tracker = successful
+            self.hysteresis_tracker = self.hysteresis
+        return self.scale, found_inf
 
 
 class CerebrasGradScaler:

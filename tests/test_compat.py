@@ -24,8 +24,10 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from reference_scalers import (  # noqa: E402  (tests/ is on sys.path under pytest)
     ApexLossScaler,
+    ApexUpdateScaleHysteresis,
     CerebrasGradScaler,
     DeepSpeedDynamicLossScaler,
+    DeepSpeedFP16Optimizer,
     DeepSpeedMinScaleError,
     MegatronDynamicGradScaler,
     MindSporeDynamicLossScaleUpdateCell,
@@ -131,8 +133,23 @@ NPU_CONFIGS = [
 def test_npu_exponential_update_matches_tf1_rule(seq, config):
     policy = compat.npu.ExponentialUpdateLossScaleManager(**config)
     scale, skip, _ = ours(policy, seq)
-    n = assert_same(scale, skip, *reference(TF1ExponentialUpdate(**config), seq), lo=1.0)
-    assert n == N  # floor 1 and growth refused past float32: always comparable
+    ref = TF1ExponentialUpdate(**config, npu_bridge=True)
+    n = assert_same(scale, skip, *reference(ref, seq), lo=1.0)
+    assert n == N  # floor 1 and growth refused near float32's max: always comparable
+
+
+def test_npu_growth_stops_at_npu_bridge_limit_not_at_float32_max():
+    # npu_bridge grows while scale < float32(3.4e38 / incr_ratio); TF1 while the result is
+    # finite. From 1.6e38 with ratio 2: npu_bridge grows once (1.6e38 < 1.7e38) to 3.2e38 and
+    # stops; from float32 max / 2 (1.7014e38 >= 1.7e38) it refuses although 2 * that is finite.
+    for init, want in [(1.6e38, F32(1.6e38) * 2), (F32_MAX / 2, F32(F32_MAX / 2))]:
+        policy = compat.npu.ExponentialUpdateLossScaleManager(init, 1, incr_ratio=2)
+        scale, _, _ = ours(policy, np.zeros(3, bool))
+        np.testing.assert_array_equal(scale, [want] * 3)
+        ref = TF1ExponentialUpdate(init, 1, incr_ratio=2, npu_bridge=True)
+        np.testing.assert_array_equal(scale, reference(ref, np.zeros(3, bool))[0])
+    tf1 = TF1ExponentialUpdate(F32_MAX / 2, 1, incr_ratio=2)  # TF1 contrib reaches the max
+    assert reference(tf1, np.zeros(1, bool))[0][0] == F32(F32_MAX)
 
 
 @settings(max_examples=5)
@@ -232,6 +249,20 @@ def test_apex_loss_scaler_matches_update_scale(seq, config):
     assert_same(scale, skip, *reference(ApexLossScaler(**config), seq))
 
 
+APEX_HYSTERESIS_CONFIGS = [
+    (2.0**16, 2.0, 0.5, 10, 2),
+    (1024.0, 1.0, 0.25, 3, 3),  # growth factor 1: apex's tests use it
+    (4.0, 4.0, 0.5, 50, 1),
+]
+
+
+@settings(max_examples=8)
+@given(seq=sequences, config=st.sampled_from(APEX_HYSTERESIS_CONFIGS))
+def test_apex_update_scale_hysteresis_matches_kernel(seq, config):
+    scale, skip, _ = ours(compat.apex.update_scale_hysteresis(*config), seq)
+    assert_same(scale, skip, *reference(ApexUpdateScaleHysteresis(*config), seq))
+
+
 def test_apex_static_scale_never_skips():
     policy = compat.apex.LossScaler(loss_scale=128.0)
     seq = np.array([False, True, True, False])
@@ -288,6 +319,34 @@ def test_deepspeed_dynamic_loss_scaler_matches_update_scale(seq, config):
     m = comparable_prefix(ref_scale, TINY, F32_MAX)
     np.testing.assert_array_equal(scale[:m], np.float32(ref_scale[:m]))
     np.testing.assert_array_equal(skip[:n], ref_skip)
+
+
+FP16_OPTIMIZER_CONFIGS = [
+    dict(init_scale=2.0**8, scale_window=2, min_scale=1),
+    dict(init_scale=2.0**16, scale_window=1000, min_scale=0.25),  # FP16_UnfusedOptimizer's
+    dict(init_scale=4.0, scale_window=1, min_scale=1),
+]
+
+
+@settings(max_examples=8)
+@given(seq=sequences, config=st.sampled_from(FP16_OPTIMIZER_CONFIGS))
+def test_deepspeed_fp16_optimizer_matches_update_scale(seq, config):
+    policy = compat.deepspeed.fp16_optimizer_policy(
+        dynamic_loss_scale=True, dynamic_loss_args=config
+    )
+    scale, skip, _ = ours(policy, seq)
+    ref = DeepSpeedFP16Optimizer(config["init_scale"], config["scale_window"], config["min_scale"])
+    assert_same(scale, skip, *reference(ref, seq))
+
+
+def test_deepspeed_fp16_optimizer_static_scale_skips():
+    tx = compat.deepspeed.FP16_Optimizer(optax.sgd(1.0), static_loss_scale=128.0)
+    params = {"w": jnp.zeros(2, jnp.float32)}
+    updates, state = tx.update(
+        {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}, tx.init(params), params
+    )
+    assert bool(state.loss_scale.last_skipped) and float(state.loss_scale.scale) == 128.0
+    assert not np.any(np.asarray(updates["w"]))
 
 
 def test_deepspeed_raise_becomes_checkify_error():
@@ -691,6 +750,30 @@ def test_flax_grows_one_step_later_than_torch():
         (lambda: compat.mindspore.FixedLossScaleManager(0.5), "loss_scale must be >= 1"),
         (lambda: compat.jmp.DynamicLossScale(jnp.ones(3)), "loss_scale"),
         (lambda: compat.jmp.DynamicLossScale(2.0**15, period=0), "period"),
+        (lambda: compat.jmp.DynamicLossScale(2.0**15, period=5.5), "period must be a whole"),
+        (
+            lambda: compat.jmp.DynamicLossScale(2.0**15, 5, period=5),
+            r"counter must be in \[0, period\)",
+        ),
+        (
+            lambda: compat.jmp.DynamicLossScale(2.0**15, min_loss_scale=-1.0),
+            "min_loss_scale must be >= 0",
+        ),
+        (
+            lambda: compat.apex.update_scale_hysteresis(8.0, 0.5, 0.5, 10, 2),
+            "growth_factor must be >= 1",
+        ),
+        (
+            lambda: compat.deepspeed.FP16_Optimizer(
+                optax.sgd(1.0), dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 8}
+            ),
+            "missing",
+        ),
+        (
+            lambda: compat.deepspeed.fp16_optimizer_policy(initial_dynamic_scale=8.0, unfused=True),
+            "initial_dynamic_scale is not an argument of FP16_UnfusedOptimizer",
+        ),
+        (lambda: compat.keras.LossScaleOptimizer(optax.sgd(1.0), foo=1), "arguments: `foo`"),
         (lambda: compat.flax.DynamicScale(growth_interval=-1), "growth_interval"),
         (lambda: compat.flax.DynamicScale(backoff_factor=2.0), "backoff_factor"),
     ],
@@ -700,8 +783,17 @@ def test_constructors_reject_bad_arguments(build, match):
         build()
 
 
-def test_namespaces_are_not_instantiable():
-    with pytest.raises(TypeError, match="namespace"):
+def test_each_framework_is_a_module_of_the_compat_package():
+    import importlib
+
+    frameworks = ["apex", "cstorch", "deepspeed", "flax", "jmp", "keras", "megatron"]
+    frameworks += ["mindspore", "npu", "torch"]
+    assert sorted(compat.__all__) == sorted(frameworks + ["set_loss_scale_state"])
+    for name in frameworks:
+        module = importlib.import_module(f"lossscale_jax.compat.{name}")
+        assert getattr(compat, name) is module
+    assert compat.npu.ExponentialUpdateLossScaleManager.__module__ == "lossscale_jax.compat.npu"
+    with pytest.raises(TypeError, match="not callable"):
         compat.torch()
 
 
@@ -753,3 +845,62 @@ def test_tolerant_dynamic_scale_traces_once_and_keeps_dtypes():
     assert s.scale.dtype == jnp.float32 and s.growth_count.dtype == jnp.int32
     with pytest.raises(ValueError, match="overflow_tolerance"):
         lsj.TolerantDynamicScale(overflow_tolerance=1.5)
+
+
+# --------------------------------------------------------------------------
+# The compat-only policies and multi_optimizer: one trace, no host transfer, dtypes kept.
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        compat.npu.ExponentialUpdateLossScaleManager(2.0**32, 3),
+        compat.deepspeed.fp16_optimizer_policy(dynamic_loss_scale=True),
+        compat.apex.update_scale_hysteresis(2.0**16, 1.0, 0.5, 3, 2),
+        compat.jmp.DynamicLossScale(2.0**15, 2, period=3),
+    ],
+    ids=["npu", "deepspeed_fp16", "apex_kernel", "jmp_counter"],
+)
+def test_compat_policies_trace_once_without_host_transfer(policy):
+    traces = []
+
+    @jax.jit
+    def step(s, f):
+        traces.append(1)
+        return policy.adjust(s, f)
+
+    s = policy.init()
+    flags = [jnp.asarray(f) for f in (True, False, False, True, False, False, False)]
+    with jax.transfer_guard("disallow"):
+        for f in flags:
+            s = step(s, f)
+    assert len(traces) == 1
+    for a, b in zip(
+        jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(policy.init()), strict=True
+    ):
+        assert a.dtype == b.dtype and a.shape == b.shape
+
+
+def test_multi_optimizer_traces_once_without_host_transfer_and_keeps_dtypes():
+    params = {"a": jnp.zeros(3, jnp.float32), "b": jnp.zeros(2, jnp.bfloat16)}
+    tx = compat.torch.multi_optimizer(
+        {"x": optax.adam(1e-3), "y": optax.sgd(0.1)},
+        {"a": "x", "b": "y"},
+        compat.torch.GradScaler(),
+    )
+    traces = []
+
+    @jax.jit
+    def step(grads, state):
+        traces.append(1)
+        return tx.update(grads, state, params)
+
+    state = tx.init(params)
+    good = {"a": jnp.ones(3, jnp.float16), "b": jnp.ones(2, jnp.float16)}
+    bad = {"a": jnp.ones(3, jnp.float16), "b": jnp.array([jnp.inf, 1.0], jnp.float16)}
+    with jax.transfer_guard("disallow"):
+        for g in (good, bad, good):
+            updates, state = step(g, state)
+    assert len(traces) == 1
+    assert updates["a"].dtype == jnp.float32 and updates["b"].dtype == jnp.bfloat16
+    assert float(state.loss_scale.scale) == 2.0**15 and int(state.loss_scale.skipped_steps) == 1

@@ -15,6 +15,7 @@ import pytest
 from flax import serialization
 
 import lossscale_jax as lsj
+from lossscale_jax import compat
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 PARAMS = {"w": jnp.ones(3, jnp.float32)}
@@ -390,6 +391,132 @@ CASES = [
         policy_without_conform,
         NotImplementedError,
         "does not implement conform(state)",
+    ),
+]
+
+
+def _torch_saved(**changes):
+    return {
+        "scale": 1024.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 0,
+        **changes,
+    }
+
+
+def _set_wrong_dtype():
+    state = lsj.get_loss_scale_state(STATE)
+    compat.set_loss_scale_state(STATE, state.replace(scale=jnp.float16(2.0)))
+
+
+# lossscale_jax.compat: checkpoint import/export and the arguments read differently.
+CASES += [
+    (
+        "torch empty",
+        lambda: compat.torch.import_state({}),
+        ValueError,
+        "The source state dict is empty",
+    ),
+    (
+        "saved key missing",
+        lambda: compat.torch.import_state({"scale": 1.0}),
+        ValueError,
+        "the GradScaler state_dict has no 'growth_interval' entry",
+    ),
+    (
+        "saved scale zero",
+        lambda: compat.torch.import_state(_torch_saved(scale=0.0)),
+        ValueError,
+        "scale must be a finite number > 0 to resume from",
+    ),
+    (
+        "saved counter",
+        lambda: compat.torch.import_state(_torch_saved(_growth_tracker=2000)),
+        ValueError,
+        "_growth_tracker must be in [0, 1999]",
+    ),
+    (
+        "keras variables",
+        lambda: compat.keras.import_state({"dynamic_scale": 2.0}),
+        ValueError,
+        "variables must hold exactly one 'step_counter' entry",
+    ),
+    (
+        "megatron constant",
+        lambda: compat.megatron.import_state(
+            {},
+            min_scale=1.0,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1000,
+            hysteresis=2,
+        ),
+        ValueError,
+        "state_dict is empty: a Megatron ConstantGradScaler saves no state",
+    ),
+    (
+        "export no equivalent",
+        lambda: compat.torch.export_state(lsj.DynamicScale(), lsj.DynamicScale().init()),
+        ValueError,
+        "has no torch equivalent",
+    ),
+    (
+        "export opt_state",
+        lambda: compat.torch.export_state(compat.torch.GradScaler(), STATE),
+        TypeError,
+        "state must be a LossScaleState",
+    ),
+    (
+        "set state mismatch",
+        _set_wrong_dtype,
+        ValueError,
+        "loss_scale_state does not match the optimizer state's LossScaleState",
+    ),
+    (
+        "set state dict",
+        lambda: compat.set_loss_scale_state(STATE, {"scale": 2.0}),
+        TypeError,
+        "loss_scale_state must be a LossScaleState",
+    ),
+    (
+        "jmp period",
+        lambda: compat.jmp.DynamicLossScale(8.0, period=5.5),
+        ValueError,
+        "period must be a whole number",
+    ),
+    (
+        "jmp counter",
+        lambda: compat.jmp.DynamicLossScale(8.0, 5, 5),
+        ValueError,
+        "counter must be in [0, period)",
+    ),
+    (
+        "deepspeed args",
+        lambda: compat.deepspeed.FP16_Optimizer(
+            optax.sgd(0.1), dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 8}
+        ),
+        ValueError,
+        "dynamic_loss_args must have the keys",
+    ),
+    (
+        "apex growth",
+        lambda: compat.apex.update_scale_hysteresis(8.0, 0.5, 0.5, 10, 2),
+        ValueError,
+        "growth_factor must be >= 1",
+    ),
+    (
+        "keras kwargs",
+        lambda: compat.keras.LossScaleOptimizer(optax.sgd(0.1), foo=1),
+        ValueError,
+        "LossScaleOptimizer does not support arguments: `foo`",
+    ),
+    (
+        "multi_optimizer list",
+        lambda: compat.torch.multi_optimizer([optax.sgd(0.1)], "a", compat.torch.GradScaler()),
+        TypeError,
+        "transforms must be a non-empty mapping",
     ),
 ]
 

@@ -1,0 +1,66 @@
+"""The loss scalers of other frameworks, under their own names, step for step.
+
+One module per framework (``compat/deepspeed.py`` holds DeepSpeed's rules)
+holds constructors named and parametrised like the original; each returns a
+configured policy (for a scaler) or a configured
+:func:`~lossscale_jax.loss_scaling` transformation (for an optimizer
+wrapper). The docstrings name the source rule reproduced and where this
+library's float32 state differs from it.
+
+==============  ===========================================================
+module          originals
+==============  ===========================================================
+``npu``         Huawei Ascend ``npu_bridge`` and TF1 ``contrib.mixed_precision``
+``torch``       ``torch.amp.GradScaler`` (one or several optimizers)
+``apex``        NVIDIA apex ``amp`` ``LossScaler``, ``update_scale_hysteresis``
+``deepspeed``   DeepSpeed ``DynamicLossScaler`` (ZeRO), ``FP16_Optimizer``,
+                ``FP16_UnfusedOptimizer`` (fp16 without ZeRO)
+``megatron``    Megatron-LM ``DynamicGradScaler`` / ``ConstantGradScaler``
+``keras``       Keras 3 ``LossScaleOptimizer``
+``cstorch``     Cerebras ``cstorch.amp.GradScaler`` / ``optimizer_step``
+``mindspore``   MindSpore ``DynamicLossScaleManager`` / ``FixedLossScaleManager``
+``jmp``         jmp ``DynamicLossScale`` / ``StaticLossScale`` / ``NoOpLossScale``
+``flax``        Flax ``flax.training.dynamic_scale.DynamicScale``
+==============  ===========================================================
+
+Runs already training elsewhere come across with ``import_state`` (torch,
+DeepSpeed, Megatron, Keras, jmp, Flax; DeepSpeed's fp16 optimizers:
+``import_fp16_optimizer_state``), which returns ``(policy, LossScaleState)``
+from what the original saves, and ``set_loss_scale_state``, which puts the
+state into a fresh optimizer state; ``export_state`` goes the other way.
+
+Two deviations are shared and deliberate: the scale never becomes ``inf``
+(a growth whose float32 result is not finite is refused, where Megatron,
+MindSpore and Keras would store ``inf`` and never recover) and never drops
+below float32's smallest normal number ``2**-126`` where the original has no
+floor (torch, Keras, apex without ``min_loss_scale``: XLA flushes smaller
+values to zero, and a zero scale trains nothing).
+"""
+
+from lossscale_jax.compat import (
+    apex,
+    cstorch,
+    deepspeed,
+    flax,
+    jmp,
+    keras,
+    megatron,
+    mindspore,
+    npu,
+    torch,
+)
+from lossscale_jax.compat._resume import set_loss_scale_state
+
+__all__ = [
+    "apex",
+    "cstorch",
+    "deepspeed",
+    "flax",
+    "jmp",
+    "keras",
+    "megatron",
+    "mindspore",
+    "npu",
+    "set_loss_scale_state",
+    "torch",
+]
