@@ -166,6 +166,7 @@ class LossScalePolicy:
     """
 
     def init(self) -> LossScaleState:
+        """The state before the first step: the initial scale, every counter at zero."""
         raise NotImplementedError
 
     def adjust(self, state: LossScaleState, overflow: ArrayLike) -> LossScaleState:
