@@ -194,8 +194,9 @@ class ApiDirective(SphinxDirective):
             for n in submodules:
                 documented[f"{modname}.{n}"] = self.env.docname
         for group in order:
-            title = titles.get(group) or _first_line(importlib.import_module(group))
-            lines += _title(title)
+            # Names defined in the module itself sit under its docstring, shown above.
+            if group != modname or group in titles:
+                lines += _title(titles.get(group) or _first_line(importlib.import_module(group)))
             for name in groups[group]:
                 lines += self._document(f"{modname}.{name}", getattr(module, name), group, name)
         return lines
