@@ -74,7 +74,10 @@ def test_versions_agree(dists):
     assert dists["wheel"].name == f"lossscale_jax-{VERSION}-py3-none-any.whl"
     assert dists["sdist"].name == f"lossscale_jax-{VERSION}.tar.gz"
     metadata = zipfile.ZipFile(dists["wheel"]).read(f"lossscale_jax-{VERSION}.dist-info/METADATA")
-    assert re.search(rf"^Version: {re.escape(VERSION)}$", metadata.decode(), re.M)
+    with tarfile.open(dists["sdist"]) as tar:
+        pkg_info = tar.extractfile(f"lossscale_jax-{VERSION}/PKG-INFO").read()
+    for text in (metadata, pkg_info):
+        assert re.search(rf"^Version: {re.escape(VERSION)}$", text.decode(), re.M)
     # The version is written once, in __init__.py; CHANGELOG.md has an entry for it.
     assert f"## {VERSION}" in (ROOT / "CHANGELOG.md").read_text()
 
