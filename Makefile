@@ -5,12 +5,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean docs doctest dist
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,examples]"
+	$(BIN)/python -m pip install -q -e ".[test,examples,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,8 +20,22 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check lossscale_jax tests examples benchmarks
+	$(BIN)/ruff check lossscale_jax tests examples benchmarks docs/conf.py docs/_ext
+	$(BIN)/ruff format --check lossscale_jax tests examples benchmarks docs/conf.py docs/_ext
+
+# The documentation site, into docs/_build/html; any warning fails (as in the test suite).
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -b html -n -W --keep-going docs docs/_build/html
+
+# The docstring examples alone (the test suite runs them too).
+doctest: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_doctests.py
+
+# The sdist and the wheel, into dist/, checked by twine.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --outdir dist .
+	$(BIN)/python -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis docs/_build dist

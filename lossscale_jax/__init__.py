@@ -24,6 +24,7 @@ from lossscale_jax.transform import (
     switch_policy,
 )
 
+#: The version of this release, read by the build backend (pyproject.toml).
 __version__ = "0.1.0"
 
 __all__ = [

@@ -325,7 +325,7 @@ def loss_scaling(
     Args:
       inner: any Optax transformation (it sees unscaled gradients).
       policy: ``NoScale()``, ``StaticScale(...)`` or ``DynamicScale(...)``.
-      overflow: ``"ieee"`` (inf/nan), ``"saturating"`` (|g| >= finfo.max of
+      overflow: ``"ieee"`` (inf/nan), ``"saturating"`` (``|g| >= finfo.max`` of
         ``compute_dtype``, what a saturating device writes) or ``"both"``.
       compute_dtype: the dtype of the backward pass (sets the saturating
         threshold); default float16.

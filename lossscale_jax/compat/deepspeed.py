@@ -86,8 +86,8 @@ def DynamicLossScaler(
     default 2) and the scale is not grown past float32's range.
 
     Args:
-      init_scale, scale_factor, scale_window, min_scale, delayed_shift,
-      consecutive_hysteresis: as in DeepSpeed.
+      init_scale, scale_factor, scale_window, min_scale, delayed_shift, consecutive_hysteresis:
+        as in DeepSpeed.
       raise_error_at_min_scale: see above: it chooses the ``on_stuck`` to
         pass to ``loss_scaling`` (``"error"`` for True); the policy reports
         ``stuck`` either way.

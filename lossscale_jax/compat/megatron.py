@@ -59,8 +59,8 @@ def DynamicGradScaler(
     ``inf``; here it is refused.
 
     Args:
-      initial_scale, min_scale, growth_factor, backoff_factor,
-      growth_interval, hysteresis: as in Megatron (all required there).
+      initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis:
+        as in Megatron (all required there).
 
     Returns:
       A ``DynamicScale``.

@@ -1,0 +1,191 @@
+"""The documentation site builds with no warning, and its links and API reference are whole.
+
+The build is the one ``make docs`` runs (Sphinx, ``-n -W --keep-going``), into a temporary
+directory. A second, small build shows that the checks fail when they should: a broken
+cross-reference, a broken link and a public name without a docstring each stop the build.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import inspect
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+import urllib.parse
+
+import pytest
+
+import lossscale_jax
+from lossscale_jax import compat, testing
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SPHINX_FLAGS = ["-n", "-W", "--keep-going", "-q", "-E"]
+
+
+def sphinx_build(srcdir: pathlib.Path, outdir: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", *SPHINX_FLAGS, str(srcdir), str(outdir)]
+        + ["-d", str(outdir / ".doctrees")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+class Page(html.parser.HTMLParser):
+    """The ids and the link targets of one built page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if found.get("id"):
+            self.ids.add(found["id"])
+        if tag == "a" and found.get("href"):
+            self.hrefs.append(found["href"])
+
+
+def parse(path: pathlib.Path) -> Page:
+    page = Page()
+    page.feed(path.read_text())
+    return page
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("site")
+    result = sphinx_build(DOCS, out)
+    assert result.returncode == 0, f"docs build failed:\n{result.stdout}\n{result.stderr}"
+    return out
+
+
+def test_site_builds_without_warnings(site):
+    assert (site / "index.html").is_file()
+    assert (site / "api" / "lossscale_jax.html").is_file()
+
+
+def test_every_guide_page_is_in_the_site(site):
+    for page in DOCS.glob("*.md"):
+        assert (site / f"{page.stem}.html").is_file(), page.name
+
+
+def test_every_relative_link_resolves(site):
+    pages = {path: parse(path) for path in site.rglob("*.html")}
+    checked = 0
+    for path, page in pages.items():
+        for href in page.hrefs:
+            parts = urllib.parse.urlsplit(href)
+            if parts.scheme or parts.netloc or not (parts.path or parts.fragment):
+                continue
+            target = (path.parent / urllib.parse.unquote(parts.path)).resolve()
+            if not parts.path:
+                target = path
+            assert target.is_file(), f"{path.relative_to(site)} links to a missing {href}"
+            if parts.fragment and target.suffix == ".html":
+                assert parts.fragment in pages[target].ids, f"{path.name}: {href}"
+            checked += 1
+    assert checked > 500  # the sidebar alone links every page from every page
+
+
+def test_readme_is_the_index_with_its_links_rewritten(site):
+    hrefs = parse(site / "index.html").hrefs
+    # README.md links docs/core.md and benchmarks/README.md, as the repository shows them.
+    assert "core.html" in hrefs and "benchmarks.html" in hrefs
+    assert not [h for h in hrefs if h.startswith("docs/") or h.endswith(".md")]
+    # The porting guide links its tests: the site carries a copy of the file.
+    porting = parse(site / "porting.html").hrefs
+    assert any(h.endswith("/test_compat.py") for h in porting)
+
+
+def _public_paths() -> set[str]:
+    """Every public name the API reference must show, computed from the package."""
+    paths = {f"lossscale_jax.{n}" for n in lossscale_jax.__all__}
+    paths -= {"lossscale_jax.compat", "lossscale_jax.testing"}  # pages of their own
+    for namespace in compat.__all__:
+        obj = getattr(compat, namespace)
+        members = (
+            obj.__all__
+            if isinstance(obj, types.ModuleType)
+            else [n for n, v in vars(obj).items() if not n.startswith("_") and callable(v)]
+        )
+        paths |= {f"lossscale_jax.compat.{namespace}.{m}" for m in members}
+    paths |= {f"lossscale_jax.testing.{n}" for n in testing.__all__}
+    for name in lossscale_jax.__all__:
+        obj = getattr(lossscale_jax, name)
+        if inspect.isclass(obj):
+            paths |= {
+                f"lossscale_jax.{name}.{m}"
+                for m, v in vars(obj).items()
+                if not m.startswith("_")
+                and inspect.isfunction(v)
+                and "lossscale_jax" in v.__module__
+            }
+    return paths
+
+
+def test_api_reference_shows_every_public_name(site):
+    ids = set()
+    for page in (site / "api").glob("*.html"):
+        ids |= parse(page).ids
+    missing = sorted(_public_paths() - ids)
+    assert not missing, f"not in the API reference: {missing}"
+
+
+def test_checks_fail_on_broken_references_and_missing_docstrings(tmp_path):
+    # A small site with the real configuration and extensions, and one defect of each kind.
+    src = tmp_path / "docs"
+    shutil.copytree(DOCS, src, ignore=shutil.ignore_patterns("_build", "*.md", "api"))
+    (tmp_path / "lsj_defects.py").write_text(
+        textwrap.dedent(
+            '''
+            """A module with a public function that has no docstring."""
+
+            __all__ = ["documented", "undocumented", "Holder"]
+
+
+            def documented():
+                """Has a docstring."""
+
+
+            def undocumented():
+                pass
+
+
+            class Holder:
+                """A class whose public method has no docstring."""
+
+                def method(self):
+                    pass
+            '''
+        )
+    )
+    (src / "index.md").write_text(
+        "# Defects\n\nSee [a page that does not exist](missing.md).\n\n"
+        "```{toctree}\napi/defects\n```\n"
+    )
+    (src / "api").mkdir()
+    (src / "api" / "defects.rst").write_text(
+        "Defects\n=======\n\n"
+        "A reference to :func:`lossscale_jax.no_such_function`.\n\n"
+        ".. api:: lsj_defects\n"
+    )
+    # conf.py puts its parent directory (here tmp_path) on sys.path: lsj_defects imports.
+    result = sphinx_build(src, tmp_path / "html")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    for expected in (
+        "py:func reference target not found: lossscale_jax.no_such_function",
+        "missing.md",
+        "lsj_defects.undocumented is public but has no docstring",
+        "lsj_defects.Holder.method is public but has no docstring",
+    ):
+        assert expected in output, f"{expected!r} not reported:\n{output}"
+    assert "lsj_defects.documented " not in output
