@@ -21,6 +21,7 @@ from lossscale_jax.transform import (
     metrics,
     reduce_overflow,
     scale_loss,
+    set_loss_scale_state,
     switch_policy,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "restore_flax",
     "restore_orbax",
     "scale_loss",
+    "set_loss_scale_state",
     "switch_policy",
     "testing",
     "unscale",

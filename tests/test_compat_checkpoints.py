@@ -93,7 +93,7 @@ def test_torch_resume_with_set_loss_scale_state_continues_torch():
     policy, state = compat.torch.import_state(saved[9])
     params = {"w": jnp.zeros(3, jnp.float32)}
     tx = lsj.loss_scaling(optax.sgd(0.1), policy)
-    opt_state = compat.set_loss_scale_state(tx.init(params), state)
+    opt_state = lsj.set_loss_scale_state(tx.init(params), state)
     update = jax.jit(tx.update)
     for i, f in enumerate(flags[9:]):
         g = jnp.array([jnp.inf if f else 1.0, 1.0, 1.0], jnp.float16)
@@ -395,16 +395,16 @@ def test_jmp_static_and_no_op():
 def test_set_loss_scale_state_nested_and_checked():
     params = {"w": jnp.zeros(2, jnp.float32)}
     policy, state = compat.torch.import_state(TORCH["runs"][0]["state_dicts"][5])
-    tx = optax.chain(optax.clip(1.0), lsj.loss_scaling(optax.sgd(0.1), policy))
-    opt_state = compat.set_loss_scale_state(tx.init(params), state)
+    tx = optax.chain(lsj.loss_scaling(optax.chain(optax.clip(1.0), optax.sgd(0.1)), policy))
+    opt_state = lsj.set_loss_scale_state(tx.init(params), state)
     assert float(lsj.get_loss_scale_state(opt_state).scale) == float(state.scale)
     assert jax.tree_util.tree_structure(opt_state) == jax.tree_util.tree_structure(tx.init(params))
     with pytest.raises(ValueError, match="opt_state contains no LossScaleState"):
-        compat.set_loss_scale_state(optax.sgd(0.1).init(params), state)
+        lsj.set_loss_scale_state(optax.sgd(0.1).init(params), state)
     with pytest.raises(ValueError, match="does not match the optimizer state's LossScaleState"):
-        compat.set_loss_scale_state(opt_state, state.replace(scale=jnp.float16(2.0)))
+        lsj.set_loss_scale_state(opt_state, state.replace(scale=jnp.float16(2.0)))
     with pytest.raises(TypeError, match="loss_scale_state must be a LossScaleState"):
-        compat.set_loss_scale_state(opt_state, {"scale": 2.0})
+        lsj.set_loss_scale_state(opt_state, {"scale": 2.0})
 
 
 def test_imported_states_are_built_from_init():

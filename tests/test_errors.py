@@ -408,7 +408,7 @@ def _torch_saved(**changes):
 
 def _set_wrong_dtype():
     state = lsj.get_loss_scale_state(STATE)
-    compat.set_loss_scale_state(STATE, state.replace(scale=jnp.float16(2.0)))
+    lsj.set_loss_scale_state(STATE, state.replace(scale=jnp.float16(2.0)))
 
 
 # lossscale_jax.compat: checkpoint import/export and the arguments read differently.
@@ -476,7 +476,7 @@ CASES += [
     ),
     (
         "set state dict",
-        lambda: compat.set_loss_scale_state(STATE, {"scale": 2.0}),
+        lambda: lsj.set_loss_scale_state(STATE, {"scale": 2.0}),
         TypeError,
         "loss_scale_state must be a LossScaleState",
     ),

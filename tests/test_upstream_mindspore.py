@@ -5,8 +5,8 @@ tests of ``TrainOneStepWithLossScaleCell``). ``NetFP16`` (16x16 ones weight and 
 matmul in float16), ``MSELoss`` and the data (ones, labels zeros) are ported as written. A
 fixed ``scale_sense`` tensor is ``compat.mindspore.FixedLossScaleManager(scale,
 drop_overflow_update=True)`` (the cell skips the optimizer on overflow), ``set_sense_scale`` is
-``compat.set_loss_scale_state``, and the cell's outputs ``(loss, cond, scaling_sens)`` are the
-loss, ``metrics()["overflow"]`` and the scale. Every case passes.
+``lossscale_jax.set_loss_scale_state``, and the cell's outputs ``(loss, cond, scaling_sens)``
+are the loss, ``metrics()["overflow"]`` and the scale. Every case passes.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class _TrainOneStepWithLossScaleCell:
 
     def set_sense_scale(self, sens):
         current = lsj.get_loss_scale_state(self.state)
-        self.state = compat.set_loss_scale_state(
+        self.state = lsj.set_loss_scale_state(
             self.state, current.replace(scale=jnp.asarray(sens, jnp.float32).reshape(()))
         )
 

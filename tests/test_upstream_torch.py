@@ -128,7 +128,7 @@ def test_grad_scaling_state_dict(lazy_init_scale):
         # The scaler is used once before the load.
         _, opt_state1 = tx1.update({"w": jnp.full(2, 4.0, jnp.float16)}, opt_state1, params)
     policy, state = compat.torch.import_state(compat.torch.export_state(s0, s0.init()))
-    opt_state1 = compat.set_loss_scale_state(opt_state1, state)
+    opt_state1 = lsj.set_loss_scale_state(opt_state1, state)
     assert float(lsj.metrics(opt_state1)["loss_scale"]) == 3.0  # get_scale()
     assert policy.growth_factor == 4.0  # get_growth_factor()
     assert policy.backoff_factor == 0.5  # get_backoff_factor()

@@ -26,7 +26,7 @@ module          originals
 Runs already training elsewhere come across with ``import_state`` (torch,
 DeepSpeed, Megatron, Keras, jmp, Flax; DeepSpeed's fp16 optimizers:
 ``import_fp16_optimizer_state``), which returns ``(policy, LossScaleState)``
-from what the original saves, and ``set_loss_scale_state``, which puts the
+from what the original saves, and ``lossscale_jax.set_loss_scale_state``, which puts the
 state into a fresh optimizer state; ``export_state`` goes the other way.
 
 Two deviations are shared and deliberate: the scale never becomes ``inf``
@@ -49,7 +49,6 @@ from lossscale_jax.compat import (
     npu,
     torch,
 )
-from lossscale_jax.compat._resume import set_loss_scale_state
 
 __all__ = [
     "apex",
@@ -61,6 +60,5 @@ __all__ = [
     "megatron",
     "mindspore",
     "npu",
-    "set_loss_scale_state",
     "torch",
 ]

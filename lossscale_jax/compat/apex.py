@@ -20,6 +20,11 @@ from lossscale_jax.compat._common import (
 )
 from lossscale_jax.policies import LossScalePolicy, StaticScale
 
+__all__ = [
+    "LossScaler",
+    "update_scale_hysteresis",
+]
+
 
 def LossScaler(
     loss_scale: Any = "dynamic",

@@ -18,6 +18,11 @@ from lossscale_jax.compat._common import (
 from lossscale_jax.policies import LossScalePolicy, StaticScale, TolerantDynamicScale
 from lossscale_jax.transform import AxisName, loss_scaling
 
+__all__ = [
+    "GradScaler",
+    "optimizer_step",
+]
+
 
 def _cerebras_clip(max_gradient_norm: float) -> optax.GradientTransformation:
     """``torch.nn.utils.clip_grad_norm_`` as Cerebras uses it: ``g * min(1, m / (norm + 1e-6))``."""

@@ -41,6 +41,17 @@ from lossscale_jax.compat._common import (
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, StaticScale
 from lossscale_jax.transform import loss_scaling
 
+__all__ = [
+    "DynamicLossScaler",
+    "fp16_optimizer_policy",
+    "FP16_Optimizer",
+    "FP16_UnfusedOptimizer",
+    "import_state",
+    "export_state",
+    "import_fp16_optimizer_state",
+    "export_fp16_optimizer_state",
+]
+
 
 def DynamicLossScaler(
     init_scale: float = 2.0**32,
@@ -174,10 +185,9 @@ def fp16_optimizer_policy(
       else: init_scale, scale_window, min_scale from dynamic_loss_args
 
     Args:
-      static_loss_scale, dynamic_loss_scale, initial_dynamic_scale,
-      dynamic_loss_args: as ``FP16_Optimizer`` takes them
-        (``FP16_UnfusedOptimizer`` has no ``initial_dynamic_scale``: leave it
-        at its default with ``unfused=True``).
+      static_loss_scale, dynamic_loss_scale, initial_dynamic_scale, dynamic_loss_args:
+        as ``FP16_Optimizer`` takes them (``FP16_UnfusedOptimizer`` has no
+        ``initial_dynamic_scale``: leave it at its default with ``unfused=True``).
       unfused: the defaults of ``FP16_UnfusedOptimizer``.
 
     Returns:

@@ -30,6 +30,12 @@ from lossscale_jax.compat._common import (
 )
 from lossscale_jax.policies import LossScaleState
 
+__all__ = [
+    "DynamicScale",
+    "import_state",
+    "export_state",
+]
+
 
 def DynamicScale(
     growth_factor: float = 2.0,

@@ -27,6 +27,14 @@ from lossscale_jax.compat._common import (
 )
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, NoScale, StaticScale
 
+__all__ = [
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoOpLossScale",
+    "import_state",
+    "export_state",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class _JmpDynamicLossScale(policies.DynamicScale):

@@ -30,6 +30,13 @@ from lossscale_jax.compat._common import (
 from lossscale_jax.policies import LossScaleState
 from lossscale_jax.transform import loss_scaling
 
+__all__ = [
+    "policy",
+    "LossScaleOptimizer",
+    "import_state",
+    "export_state",
+]
+
 # Keras's base-optimizer arguments that LossScaleOptimizer refuses unless at their defaults
 # (they belong on the inner optimizer).
 _BASE_DEFAULTS: dict[str, Any] = {

@@ -29,6 +29,13 @@ from lossscale_jax.compat._common import (
 )
 from lossscale_jax.policies import LossScaleState, StaticScale
 
+__all__ = [
+    "DynamicGradScaler",
+    "ConstantGradScaler",
+    "import_state",
+    "export_state",
+]
+
 
 def DynamicGradScaler(
     initial_scale: float,

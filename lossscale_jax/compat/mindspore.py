@@ -14,6 +14,11 @@ from lossscale_jax.compat._common import (
 )
 from lossscale_jax.policies import StaticScale
 
+__all__ = [
+    "DynamicLossScaleManager",
+    "FixedLossScaleManager",
+]
+
 
 def DynamicLossScaleManager(
     init_loss_scale: float = 2**24,

@@ -32,6 +32,12 @@ from lossscale_jax.compat._common import (
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, StaticScale
 from lossscale_jax.transform import AxisName, loss_scaling
 
+__all__ = [
+    "FixedLossScaleManager",
+    "ExponentialUpdateLossScaleManager",
+    "NPULossScaleOptimizer",
+]
+
 
 def FixedLossScaleManager(loss_scale: Any, enable_overflow_check: bool = True) -> StaticScale:
     """A fixed scale; with ``enable_overflow_check`` an overflowing step is skipped.

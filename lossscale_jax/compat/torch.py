@@ -40,6 +40,13 @@ from lossscale_jax.transform import (
     reduce_overflow,
 )
 
+__all__ = [
+    "GradScaler",
+    "import_state",
+    "export_state",
+    "multi_optimizer",
+]
+
 _STATE_DICT_KEYS = (
     "scale",
     "growth_factor",
@@ -137,7 +144,7 @@ def import_state(state_dict: Mapping[str, Any]) -> tuple[LossScalePolicy, LossSc
     Returns:
       ``(policy, state)``: a ``DynamicScale`` as ``GradScaler(...)`` builds
       it and a ``LossScaleState`` (put it in with
-      ``compat.set_loss_scale_state``).
+      ``lossscale_jax.set_loss_scale_state``).
 
     Raises:
       ValueError: for an empty dict (saved from a disabled scaler, as torch
