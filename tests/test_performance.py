@@ -273,9 +273,39 @@ def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
             assert plain_reads >= 1
             assert _reads(text, f"grads['{k}']") <= plain_reads + 1, (name, k)
     assert _count(texts["plain"], "conditional") == 0
-    # The fused step needs one byte per parameter of temporaries beyond plain (XLA:CPU
-    # writes the isfinite mask before reducing it), plus a few scalars and partial sums.
-    assert temps["fused"] <= temps["plain"] + n_params + 1024
+    # The fused step needs no parameter-sized temporary beyond plain: the check fuses
+    # into its reduction (no mask is written), leaving a few scalars.
+    assert temps["fused"] <= temps["plain"] + 1024, (temps, n_params)
+
+
+@pytest.mark.parametrize("mode", ["ieee", "saturating", "both"])
+def test_overflow_check_is_one_fused_read_per_leaf(mode):
+    """No mask or partial result of a gradient's size is written: each gradient leaf is
+    read by one instruction, same-shape leaves share one reduction kernel, and the
+    temporaries are a few bytes (the old two-stage form wrote 1 byte per element)."""
+    rng = np.random.default_rng(3)
+    grads = {"big": jnp.asarray(rng.normal(size=(512, 1024)), jnp.float16)}
+    grads |= {f"l{i:02d}": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32) for i in range(20)}
+    n = sum(g.size for g in grads.values())
+
+    def check(grads):
+        return lsj.check_overflow(grads, mode), lsj.numerics.overflow_flags(grads, mode)
+
+    compiled = jax.jit(check).lower(grads).compile()
+    text = compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < 4096 < n // 100
+    for k in grads:
+        assert _reads(text, f"grads['{k}']") == 1, k
+    comps, entry = _parse_hlo(text)
+    reading = {
+        i["name"]
+        for i in comps[entry]
+        if i["op"] == "fusion"
+        and i["operands"]
+        and all(o.startswith("grads") for o in i["operands"])
+    }
+    # One kernel for the big leaf, two for the 20 same-shape leaves (16 + 4).
+    assert len(reading) == 3, sorted(reading)
 
 
 def test_hlo_reader_sees_a_whole_tree_select():
