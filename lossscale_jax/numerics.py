@@ -71,8 +71,8 @@ def _predicates(g: jax.Array, mode: str, threshold: float) -> tuple[jax.Array, j
     The comparison is done in the leaf's own dtype, where the threshold is exact
     for float16/bfloat16/float32 leaves alike (65504 rounds to 65536 in
     bfloat16, which no bfloat16 value in between can tell apart); nan compares
-    False. The pair is disjoint on purpose: it keeps the reduction variadic
-    (see ``_leaf_flags``) without a predicate XLA could prove redundant.
+    False. Two disjoint predicates keep the reduction of a leaf alone in its
+    group variadic (see ``_leaf_flags``), neither provably redundant to XLA.
     """
     if mode == "ieee":
         return jnp.isinf(g), jnp.isnan(g)
@@ -92,16 +92,17 @@ def _leaf_flags(leaves: list[jax.Array], mode: str, threshold: float) -> list[ja
     """One scalar bool per leaf, from one read of each leaf and no leaf-sized temporary.
 
     Leaves of the same shape are checked together, ``_GROUP`` at a time, in one
-    variadic ``lax.reduce`` that ORs both predicates of every leaf of the
-    group over all its dimensions and returns one pair of flags per leaf.
-    Why variadic: XLA's TreeReductionRewriter (run by XLA:CPU) splits a
+    variadic ``lax.reduce`` that ORs each leaf's overflow test over all its
+    dimensions and returns one flag per leaf; a leaf alone in its group
+    reduces its two predicates (``_predicates``) as two outputs. Why
+    variadic: XLA's TreeReductionRewriter (run by XLA:CPU) splits a
     single-output reduction over more than 32 elements into a reduce-window
     and a reduce, and the elementwise test can then no longer fuse into it,
     so the backend writes a one-byte-per-element mask and reads it back.
     Variadic reductions are left alone: the test fuses into the reduction
-    (one kernel per group, one read of each gradient). A reduction over
-    whole leaves of any shape needs no reshape, so a gradient in a
-    non-default layout is read where it lies.
+    (one kernel per group, one read of each gradient). A reduction over whole
+    leaves needs no reshape, so a gradient in a non-default layout is read
+    where it lies.
     """
     flags: list[Any] = [None] * len(leaves)
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -109,12 +110,18 @@ def _leaf_flags(leaves: list[jax.Array], mode: str, threshold: float) -> list[ja
         groups.setdefault(tuple(g.shape), []).append(i)
     false = jnp.zeros([], jnp.bool_)
     for shape, members in groups.items():
+        dims = tuple(range(len(shape)))
         for start in range(0, len(members), _GROUP):
             chunk = members[start : start + _GROUP]
-            operands = tuple(p for i in chunk for p in _predicates(leaves[i], mode, threshold))
-            out = lax.reduce(operands, (false,) * len(operands), _or, tuple(range(len(shape))))
-            for k, i in enumerate(chunk):
-                flags[i] = jnp.logical_or(out[2 * k], out[2 * k + 1])
+            if len(chunk) == 1:
+                pair = _predicates(leaves[chunk[0]], mode, threshold)
+                out = lax.reduce(pair, (false, false), _or, dims)
+                flags[chunk[0]] = jnp.logical_or(out[0], out[1])
+                continue
+            tests = tuple(jnp.logical_or(*_predicates(leaves[i], mode, threshold)) for i in chunk)
+            out = lax.reduce(tests, (false,) * len(tests), _or, dims)
+            for i, flag in zip(chunk, out, strict=True):
+                flags[i] = flag
     return flags
 
 

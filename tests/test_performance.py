@@ -341,25 +341,71 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
 
 
-def test_benchmark_quick_run(tmp_path):
-    """`benchmarks/bench_step.py --quick` runs every variant and writes its table."""
+def _bench():
     import importlib.util
 
     path = ROOT / "benchmarks" / "bench_step.py"
     spec = importlib.util.spec_from_file_location("bench_step", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = bench.main(["--quick", "--kinds", "post", "--out", str(tmp_path)])
-    assert {r["variant"] for r in rows} == set(bench.VARIANTS)
-    by_name = {r["variant"]: r for r in rows}
-    assert by_name["plain"]["ratio"] == pytest.approx(1.0)
-    for name, row in by_name.items():
-        assert row["median_ms"] > 0 and row["samples"] >= 2
-        if name.startswith("lsj"):
+    return bench
+
+
+def test_benchmark_quick_run(tmp_path):
+    """`benchmarks/bench_step.py --quick`: every variant, full and post step, stays finite
+    with its loss scale unmoved (else the benchmark refuses it), and the table is written."""
+    bench = _bench()
+    rows = bench.main(["--quick", "--out", str(tmp_path)])
+    assert {(r["case"], r["variant"]) for r in rows} == {
+        (c, v) for c in bench.QUICK_CASES for v in bench.DEFAULT_VARIANTS
+    }
+    for row in rows:
+        assert row["refused"] is None, row
+        assert row["median_ms"] > 0 and row["samples"] >= 4
+        if row["variant"] == "plain":
+            assert row["ratio"] == pytest.approx(1.0)
+        if row["variant"].startswith("lsj"):
             assert row["conditionals"] == 1 and row["param_sized_selects"] == 0, row
-            assert row["param_sized_copies"] == 0 and row["skipped_steps"] == 0, row
+    post = {r["variant"]: r for r in rows if r["kind"] == "post"}
+    assert all(post[v]["param_sized_copies"] == 0 for v in post if v.startswith("lsj")), post
     # The peers' whole-tree selects show up in the same counters.
-    assert by_name["jmp"]["param_sized_selects"] > 0
-    assert by_name["flax"]["param_sized_selects"] > 0
+    assert post["jmp"]["param_sized_selects"] > 0 and post["flax"]["param_sized_selects"] > 0
+    # One more read of the float16 gradients (2 B/param) than plain, in the HLO estimate.
+    n = post["plain"]["params"]
+    extra = (post["lsj_fused_ieee"]["bytes_moved"] - post["plain"]["bytes_moved"]) / n
+    assert 1.5 <= extra <= 2.5, extra
     table = (tmp_path / "results.md").read_text()
     assert "| lsj_fused_ieee |" in table and (tmp_path / "results.json").exists()
+
+
+def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
+    """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
+    bench = _bench()
+
+    def diverging(loss, pattern):
+        full, post, init, scale_of = bench.variant_plain(loss, pattern)
+
+        def bad(p, s, g):
+            p, s = post(p, s, g)
+            return jax.tree_util.tree_map(lambda x: x * jnp.inf, p), s
+
+        return full, bad, init, scale_of
+
+    def skipping(loss, pattern):
+        full, post, init, scale_of = bench.variant_lsj(loss, pattern, fused=True, mode="ieee")
+        return (
+            full,
+            lambda p, s, g: post(p, s, jax.tree_util.tree_map(lambda x: x * jnp.inf, g)),
+            init,
+            scale_of,
+        )
+
+    monkeypatch.setitem(bench.VARIANTS, "diverging", diverging)
+    monkeypatch.setitem(bench.VARIANTS, "skipping", skipping)
+    rows = bench.run_case(
+        "tiny/in_out/fp16grad/post", ["plain", "diverging", "skipping"], 1, 1, False, lambda m: None
+    )
+    refused = {r["variant"]: r["refused"] for r in rows}
+    assert refused["plain"] is None
+    assert "non-finite parameters" in refused["diverging"]
+    assert "loss scale moved" in refused["skipping"]
