@@ -431,6 +431,39 @@ def optax_path_without_eval_shape(tx, grads, state, params):
     return optax.apply_updates(params, updates), LossScalingState(loss_scale, inner)
 
 
+def optax_path_one_trace(tx, grads, state, params):
+    """The Optax path with ``inner.update`` traced once: ``make_jaxpr`` gives the good
+    branch (replayed with ``eval_jaxpr``) and the exact shapes and dtypes of its updates
+    (for the skip branch's zeros), where ``jax.eval_shape`` plus ``lax.cond`` trace it
+    twice."""
+    from lossscale_jax.transform import LossScalingState
+
+    parts = tx.update.loss_scaling_parts
+    loss_scale, apply = parts.decide(grads, state.loss_scale)
+    scale = state.loss_scale.scale
+
+    def apply_inner(operands):
+        g, inner_state = operands
+        return parts.inner.update(numerics.unscale(g, scale, params), inner_state, params)
+
+    operands = (grads, state.inner_state)
+    closed, out_shapes = jax.make_jaxpr(apply_inner, return_shape=True)(operands)
+    out_tree = jax.tree_util.tree_structure(out_shapes)
+
+    def good(operands):
+        leaves = jax.tree_util.tree_leaves(operands)
+        return jax.tree_util.tree_unflatten(
+            out_tree, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
+        )
+
+    def skip(operands):
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[0])
+        return zeros, operands[1]
+
+    updates, inner = lax.cond(apply, good, skip, operands)
+    return optax.apply_updates(params, updates), LossScalingState(loss_scale, inner)
+
+
 PROTOTYPES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (check formulation, variant_lsj keyword arguments)
     "proto_fused_mask": ("mask", {"fused": True, "mode": "ieee"}),
@@ -438,6 +471,10 @@ PROTOTYPES: dict[str, tuple[str, dict[str, Any]]] = {
     "proto_fused_perleaf": ("perleaf", {"fused": True, "mode": "ieee"}),
     "proto_fused_sum": ("sum", {"fused": True, "mode": "ieee"}),
     "proto_fused_bits": ("bits", {"fused": True, "mode": "ieee"}),
+    "proto_optax_onetrace": (
+        "grouped",
+        {"fused": False, "mode": "ieee", "step": optax_path_one_trace},
+    ),
     "proto_optax_noevalshape": (
         "grouped",
         {"fused": False, "mode": "ieee", "step": optax_path_without_eval_shape},
@@ -1089,7 +1126,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--allocators", nargs="*", default=None, choices=ALLOCATORS)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None, help="steps per variant per round")
-    ap.add_argument("--check-report", action="store_true", help="time the check formulations")
+    ap.add_argument(
+        "--check-report", action="store_true", help="time the check formulations (default run: on)"
+    )
     ap.add_argument("--out", default=str(HERE), help="folder for results.json and results.md")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON file to write
     ap.add_argument("--no-compile-times", action="store_true", help=argparse.SUPPRESS)
@@ -1174,7 +1213,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 rows += json.loads(result.read_text())
         finally:
             shutil.rmtree(cache, ignore_errors=True)
-    report = check_report(max(rounds, 5), _log) if args.check_report else None
+    default_run = not (args.quick or args.cases or args.variants)
+    report = check_report(max(rounds, 5), _log) if (args.check_report or default_run) else None
     meta = {
         "command": "python benchmarks/bench_step.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
