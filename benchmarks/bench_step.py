@@ -1008,27 +1008,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += ["", "### Targets", "", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {t} | {m} | {ok} |" for t, m, ok in checks]
     if meta.get("check_report"):
-        lines += [
-            "",
-            "### The overflow check alone (ieee, float16 gradients)",
-            "",
-            "| workload | formulation | median ms | x grouped | compile s | temp B/param "
-            "| moved B/param | kernels |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in meta["check_report"]:
-            lines.append(
-                f"| {r['workload']} | {r['check']} | {r['median_ms']:.2f} | "
-                f"{r['x_grouped']:.2f} | {r['compile_cpu_s']:.2f} | "
-                f"{r['temp_bytes_per_param']:.2f} | {r['bytes_moved_per_param']:.1f} | "
-                f"{r['kernels']} |"
-            )
+        lines += ["", "### The overflow check alone (ieee, float16 gradients)", ""]
+        lines.append(check_table(meta["check_report"]))
     return "\n".join(lines) + "\n"
 
 
 DOCS = HERE.parent / "docs" / "performance.md"
-DOCS_BEGIN = "<!-- bench_step.py: headline begin -->"
-DOCS_END = "<!-- bench_step.py: headline end -->"
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench_step.py: {name} begin -->", f"<!-- bench_step.py: {name} end -->"
 
 
 def headline(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -1076,17 +1065,44 @@ def headline(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path = DOCS) -> bool:
-    """Rewrites the marked block of docs/performance.md; False if the markers are missing."""
+def check_table(report: list[dict[str, Any]] | None) -> str:
+    if not report:
+        return ""
+    lines = [
+        "| workload | formulation | median ms | x grouped | compile s | temp B/param "
+        "| moved B/param | kernels |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report:
+        lines.append(
+            f"| {r['workload']} | {r['check']} | {r['median_ms']:.2f} | "
+            f"{r['x_grouped']:.2f} | {r['compile_cpu_s']:.2f} | "
+            f"{r['temp_bytes_per_param']:.2f} | {r['bytes_moved_per_param']:.1f} | "
+            f"{r['kernels']} |"
+        )
+    return "\n".join(lines)
+
+
+def update_docs(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path = DOCS) -> list[str]:
+    """Rewrites the marked blocks of docs/performance.md; returns the blocks rewritten."""
     if not path.exists():
-        return False
-    text = path.read_text()
-    if DOCS_BEGIN not in text or DOCS_END not in text:
-        return False
-    head, rest = text.split(DOCS_BEGIN, 1)
-    _, tail = rest.split(DOCS_END, 1)
-    path.write_text(head + DOCS_BEGIN + "\n" + headline(rows, meta) + "\n" + DOCS_END + tail)
-    return True
+        return []
+    text, done = path.read_text(), []
+    blocks = {"headline": headline(rows, meta)}
+    if meta.get("check_report"):
+        blocks["check"] = (
+            f"Quoted from `benchmarks/results.md` (same run as above, {max(meta['rounds'], 5)} "
+            "interleaved calls each):\n\n" + check_table(meta["check_report"])
+        )
+    for name, body in blocks.items():
+        begin, end = _markers(name)
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            _, tail = rest.split(end, 1)
+            text = head + begin + "\n" + body + "\n" + end + tail
+            done.append(name)
+    path.write_text(text)
+    return done
 
 
 def _load() -> str:
@@ -1130,6 +1146,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--check-report", action="store_true", help="time the check formulations (default run: on)"
     )
     ap.add_argument("--out", default=str(HERE), help="folder for results.json and results.md")
+    ap.add_argument(
+        "--render",
+        action="store_true",
+        help="rewrite results.md and the docs blocks from results.json (no measuring)",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON file to write
     ap.add_argument("--no-compile-times", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -1156,6 +1177,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     variants = ["plain"] + [v for v in names if v != "plain"]
     rounds = args.rounds or (2 if args.quick else 7)
     iters = args.iters or (2 if args.quick else 3)
+
+    if args.render:
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        (Path(args.out) / "results.md").write_text(markdown(saved["rows"], saved["meta"]))
+        if Path(args.out).resolve() == HERE:
+            _log(f"updated {DOCS}: {update_docs(saved['rows'], saved['meta'])}")
+        return saved["rows"]
 
     if args.child:  # one allocator, in this process, rows to a file
         rows = run_here(
@@ -1233,8 +1261,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / "results.md").write_text(markdown(rows, meta))
     if not args.quick and out.resolve() == HERE and set(HEADLINE) <= set(cases):
-        if update_docs(rows, meta):
-            _log(f"updated the headline block of {DOCS}")
+        _log(f"updated {DOCS}: {update_docs(rows, meta)}")
     _log("\nTarget by target:")
     for t, m, ok in targets(rows, allocators):
         _log(f"  [{ok.strip('*'):7s}] {t}: {m}")

@@ -198,7 +198,10 @@ def check_overflow(
       both:        ieee or saturating
 
     Non-floating leaves (integer, bool, ``float0``) carry no gradient and are
-    not checked; ``None`` leaves are empty subtrees.
+    not checked; ``None`` leaves are empty subtrees. Under ``jit`` the check is
+    one read of each leaf and writes nothing of a leaf's size: the per-leaf
+    flags (``overflow_flags``) come from variadic reductions, one per group of
+    same-shape leaves, and this is their ``any``.
 
     Args:
       grads: a pytree of (scaled) gradients.
