@@ -1116,12 +1116,20 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_here(cases, variants, rounds, iters, measure_compile, allocator) -> list[dict[str, Any]]:
+SLOW_PEERS = ("jmp", "flax")
+
+
+def run_here(
+    cases, variants, rounds, iters, measure_compile, allocator, skip_slow_peers=False
+) -> list[dict[str, Any]]:
     jax.jit(lambda a: a * 2 + 1).lower(jnp.ones(3)).compile()  # JAX's one-time costs
     rows = []
     for case in cases:
         _log(f"{case} [{allocator}]")
-        for r in run_case(case, variants, rounds, iters, measure_compile, _log):
+        names = variants
+        if skip_slow_peers and WORKLOADS[case.split("/")[0]].get("depth", 0) >= 100:
+            names = [v for v in variants if v not in SLOW_PEERS]
+        for r in run_case(case, names, rounds, iters, measure_compile, _log):
             r["allocator"] = allocator
             flag = f"REFUSED: {r['refused']}" if r["refused"] else ""
             _log(
@@ -1150,6 +1158,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--render",
         action="store_true",
         help="rewrite results.md and the docs blocks from results.json (no measuring)",
+    )
+    ap.add_argument(
+        "--skip-slow-peers",
+        action="store_true",
+        help="leave jmp and Flax out of the 300-leaf cases (their compiles take minutes each)",
     )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON file to write
     ap.add_argument("--no-compile-times", action="store_true", help=argparse.SUPPRESS)
@@ -1193,6 +1206,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             iters,
             not args.no_compile_times,
             os.environ.get("BENCH_ALLOCATOR", "default"),
+            args.skip_slow_peers,
         )
         Path(args.child).write_text(json.dumps(rows))
         return rows
@@ -1235,13 +1249,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 ]
                 if i > 0:
                     cmd.append("--no-compile-times")
+                if args.skip_slow_peers:
+                    cmd.append("--skip-slow-peers")
                 settings = " ".join(f"{k}={v}" for k, v in allocator_env(alloc).items())
                 _log(f"== allocator {alloc}: {settings or '(glibc defaults)'}")
                 subprocess.run(cmd, env=env, check=True)
                 rows += json.loads(result.read_text())
         finally:
             shutil.rmtree(cache, ignore_errors=True)
-    default_run = not (args.quick or args.cases or args.variants)
+    default_run = not (args.quick or args.cases or args.variants or args.skip_slow_peers)
     report = check_report(max(rounds, 5), _log) if (args.check_report or default_run) else None
     meta = {
         "command": "python benchmarks/bench_step.py "
