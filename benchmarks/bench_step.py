@@ -666,8 +666,8 @@ def run_case(
         fn = full if kind == "full" else post
         state = init(params)
         args = (_copy(params), state, *extra)
-        # From scratch: no executable or trace kept from an earlier variant.
-        jax.clear_caches()
+        if measure_compile:  # from scratch: no executable or trace kept from an earlier variant
+            jax.clear_caches()
         cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
         entries = len(os.listdir(cache)) if cache else 0
         c0, w0 = time.process_time(), time.perf_counter()
@@ -1219,7 +1219,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     missing = [a for a in wanted if a not in allocators]
     rows: list[dict[str, Any]] = []
     if args.quick and allocators == ["default"]:
-        rows = run_here(cases, variants, rounds, iters, True, "default")
+        # A smoke run: no compile times (they would need every cache cleared).
+        rows = run_here(cases, variants, rounds, iters, False, "default")
     else:
         cache = tempfile.mkdtemp(prefix="bench_step_cache_")
         try:
