@@ -44,7 +44,7 @@ Workloads, layouts, gradient patterns, steps:
 Usage::
 
   python benchmarks/bench_step.py                        # the full run (see README.md)
-  python benchmarks/bench_step.py --quick --out /tmp/b   # smoke run, in-process (seconds)
+  python benchmarks/bench_step.py --quick --out /tmp/b   # smoke run, in-process (a minute)
   python benchmarks/bench_step.py --cases mlp_20m/in_out/fp16grad/post \\
       --variants plain lsj_fused_ieee proto_fused_mask --allocators glibc_tuned
   python benchmarks/bench_step.py --check-report         # overflow-check formulations alone
