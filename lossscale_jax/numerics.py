@@ -11,6 +11,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.typing import ArrayLike
 
 OverflowMode = Literal["ieee", "saturating", "both"]
@@ -69,18 +70,78 @@ def _is_float(x: Any) -> bool:
     return True
 
 
+# How many leaves of one shape share a reduction (see ``_leaf_flags``): enough to
+# cut the kernel count of a many-layer model, few enough to keep each kernel small.
+_GROUP = 16
+
+
+def _predicates(g: jax.Array, mode: str, threshold: float) -> tuple[jax.Array, jax.Array]:
+    """Two elementwise predicates whose union is the overflow test of ``mode``.
+
+    ieee:        isinf(g)                    | isnan(g)
+    saturating:  max <= |g| < inf            | isinf(g)      (nan is not an overflow here)
+    both:        |g| >= max                  | isnan(g)
+
+    The comparison is done in the leaf's own dtype, where the threshold is exact
+    for float16/bfloat16/float32 leaves alike (65504 rounds to 65536 in
+    bfloat16, which no bfloat16 value in between can tell apart); nan compares
+    False. Two disjoint predicates keep the reduction of a leaf alone in its
+    group variadic (see ``_leaf_flags``), neither provably redundant to XLA.
+    """
+    if mode == "ieee":
+        return jnp.isinf(g), jnp.isnan(g)
+    magnitude = jnp.abs(g)
+    with np.errstate(over="ignore"):  # finfo(float32).max is inf in float16: only inf is caught
+        limit = np.asarray(threshold).astype(g.dtype)
+    if mode == "saturating":
+        return jnp.logical_and(magnitude >= limit, jnp.isfinite(g)), jnp.isinf(g)
+    return magnitude >= limit, jnp.isnan(g)
+
+
+def _or(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(jnp.logical_or(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _leaf_flags(leaves: list[jax.Array], mode: str, threshold: float) -> list[jax.Array]:
+    """One scalar bool per leaf, from one read of each leaf and no leaf-sized temporary.
+
+    Leaves of the same shape are checked together, ``_GROUP`` at a time, in one
+    variadic ``lax.reduce`` that ORs each leaf's overflow test over all its
+    dimensions and returns one flag per leaf; a leaf alone in its group
+    reduces its two predicates (``_predicates``) as two outputs. Why
+    variadic: XLA's TreeReductionRewriter (run by XLA:CPU) splits a
+    single-output reduction over more than 32 elements into a reduce-window
+    and a reduce, and the elementwise test can then no longer fuse into it,
+    so the backend writes a one-byte-per-element mask and reads it back.
+    Variadic reductions are left alone: the test fuses into the reduction
+    (one kernel per group, one read of each gradient). A reduction over whole
+    leaves needs no reshape, so a gradient in a non-default layout is read
+    where it lies.
+    """
+    flags: list[Any] = [None] * len(leaves)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, g in enumerate(leaves):
+        groups.setdefault(tuple(g.shape), []).append(i)
+    false = jnp.zeros([], jnp.bool_)
+    for shape, members in groups.items():
+        dims = tuple(range(len(shape)))
+        for start in range(0, len(members), _GROUP):
+            chunk = members[start : start + _GROUP]
+            if len(chunk) == 1:
+                pair = _predicates(leaves[chunk[0]], mode, threshold)
+                out = lax.reduce(pair, (false, false), _or, dims)
+                flags[chunk[0]] = jnp.logical_or(out[0], out[1])
+                continue
+            tests = tuple(jnp.logical_or(*_predicates(leaves[i], mode, threshold)) for i in chunk)
+            out = lax.reduce(tests, (false,) * len(tests), _or, dims)
+            for i, flag in zip(chunk, out, strict=True):
+                flags[i] = flag
+    return flags
+
+
 def _leaf_overflow(g: jax.Array, mode: str, threshold: float) -> jax.Array:
     """A scalar bool: whether one gradient leaf shows an overflow under ``mode``."""
-    if mode == "ieee":
-        return jnp.logical_not(jnp.all(jnp.isfinite(g)))
-    # Saturating devices write +-max(compute_dtype) instead of inf. The
-    # comparison is done in the leaf's own dtype, where the threshold is exact
-    # for float16/bfloat16/float32 leaves alike. nan compares False here.
-    limit = jnp.asarray(threshold, g.dtype)
-    if mode == "saturating":
-        return jnp.any(jnp.abs(g) >= limit)
-    # both: |g| >= max, inf, or nan -- exactly the values for which |g| < max fails.
-    return jnp.logical_not(jnp.all(jnp.abs(g) < limit))
+    return _leaf_flags([g], mode, threshold)[0]
 
 
 def _threshold(compute_dtype: Any) -> float:
@@ -93,6 +154,48 @@ def _reduce_any(flags: list[jax.Array]) -> jax.Array:
     if len(flags) == 1:
         return flags[0]
     return jnp.any(jnp.stack(flags))
+
+
+def overflow_flags(
+    grads: Any,
+    mode: OverflowMode = "ieee",
+    compute_dtype: Any = jnp.float16,
+) -> Any:
+    """One overflow flag per leaf of ``grads``, from the pass ``check_overflow`` makes.
+
+    Rule::
+
+      flags[leaf] = overflow(leaf)     # the rule of check_overflow, leaf by leaf
+      check_overflow(grads) == any(flags)
+
+    Non-floating leaves (integer, bool, ``float0``) get ``False``; ``None``
+    leaves are empty subtrees and stay ``None``.
+
+    Args:
+      grads: a pytree of (scaled) gradients.
+      mode: ``"ieee"``, ``"saturating"`` or ``"both"``.
+      compute_dtype: the dtype whose ``finfo.max`` is the saturating threshold.
+
+    Returns:
+      A pytree with the structure of ``grads`` and a scalar ``bool`` array
+      at every leaf.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from lossscale_jax import numerics
+      >>> g = {"w": jnp.array([1.0, jnp.inf], jnp.float16), "b": jnp.ones(2, jnp.float16)}
+      >>> {k: bool(v) for k, v in numerics.overflow_flags(g).items()}
+      {'b': False, 'w': True}
+    """
+    mode = validate_overflow_mode(mode)
+    threshold = _threshold(compute_dtype)
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    checked = [i for i, g in enumerate(leaves) if _is_float(g)]
+    flags = _leaf_flags([jnp.asarray(leaves[i]) for i in checked], mode, threshold)
+    out = [jnp.zeros([], jnp.bool_)] * len(leaves)
+    for i, flag in zip(checked, flags, strict=True):
+        out[i] = flag
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def check_overflow(
@@ -109,7 +212,10 @@ def check_overflow(
       both:        ieee or saturating
 
     Non-floating leaves (integer, bool, ``float0``) carry no gradient and are
-    not checked; ``None`` leaves are empty subtrees.
+    not checked; ``None`` leaves are empty subtrees. Under ``jit`` the check is
+    one read of each leaf and writes nothing of a leaf's size: the per-leaf
+    flags (``overflow_flags``) come from variadic reductions, one per group of
+    same-shape leaves, and this is their ``any``.
 
     Args:
       grads: a pytree of (scaled) gradients.
@@ -130,8 +236,8 @@ def check_overflow(
     """
     mode = validate_overflow_mode(mode)
     threshold = _threshold(compute_dtype)
-    leaves = [g for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
-    return _reduce_any([_leaf_overflow(jnp.asarray(g), mode, threshold) for g in leaves])
+    leaves = [jnp.asarray(g) for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
+    return _reduce_any(_leaf_flags(leaves, mode, threshold))
 
 
 def _unscaled_dtype(g: jax.Array, p: Any) -> Any:

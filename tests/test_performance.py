@@ -273,9 +273,39 @@ def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
             assert plain_reads >= 1
             assert _reads(text, f"grads['{k}']") <= plain_reads + 1, (name, k)
     assert _count(texts["plain"], "conditional") == 0
-    # The fused step needs one byte per parameter of temporaries beyond plain (XLA:CPU
-    # writes the isfinite mask before reducing it), plus a few scalars and partial sums.
-    assert temps["fused"] <= temps["plain"] + n_params + 1024
+    # The fused step needs no parameter-sized temporary beyond plain: the check fuses
+    # into its reduction (no mask is written), leaving a few scalars.
+    assert temps["fused"] <= temps["plain"] + 1024, (temps, n_params)
+
+
+@pytest.mark.parametrize("mode", ["ieee", "saturating", "both"])
+def test_overflow_check_is_one_fused_read_per_leaf(mode):
+    """No mask or partial result of a gradient's size is written: each gradient leaf is
+    read by one instruction, same-shape leaves share one reduction kernel, and the
+    temporaries are a few bytes (the old two-stage form wrote 1 byte per element)."""
+    rng = np.random.default_rng(3)
+    grads = {"big": jnp.asarray(rng.normal(size=(512, 1024)), jnp.float16)}
+    grads |= {f"l{i:02d}": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32) for i in range(20)}
+    n = sum(g.size for g in grads.values())
+
+    def check(grads):
+        return lsj.check_overflow(grads, mode), lsj.numerics.overflow_flags(grads, mode)
+
+    compiled = jax.jit(check).lower(grads).compile()
+    text = compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < 4096 < n // 100
+    for k in grads:
+        assert _reads(text, f"grads['{k}']") == 1, k
+    comps, entry = _parse_hlo(text)
+    reading = {
+        i["name"]
+        for i in comps[entry]
+        if i["op"] == "fusion"
+        and i["operands"]
+        and all(o.startswith("grads") for o in i["operands"])
+    }
+    # One kernel for the big leaf, two for the 20 same-shape leaves (16 + 4).
+    assert len(reading) == 3, sorted(reading)
 
 
 def test_hlo_reader_sees_a_whole_tree_select():
@@ -311,26 +341,45 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
 
 
-def test_benchmark_quick_run(tmp_path):
-    """`benchmarks/bench_step.py --quick` runs every variant and writes its table."""
+def _bench():
     import importlib.util
 
     path = ROOT / "benchmarks" / "bench_step.py"
     spec = importlib.util.spec_from_file_location("bench_step", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = bench.main(["--quick", "--kinds", "post", "--out", str(tmp_path)])
-    assert {r["variant"] for r in rows} == set(bench.VARIANTS)
-    by_name = {r["variant"]: r for r in rows}
-    assert by_name["plain"]["ratio"] == pytest.approx(1.0)
-    for name, row in by_name.items():
-        assert row["median_ms"] > 0 and row["samples"] >= 2
-        if name.startswith("lsj"):
-            assert row["conditionals"] == 1 and row["param_sized_selects"] == 0, row
-            assert row["param_sized_copies"] == 0 and row["skipped_steps"] == 0, row
+    return bench
+
+
+def test_benchmark_quick_run(tmp_path):
+    """`benchmarks/bench_step.py --quick`: every variant, full and post step, stays finite
+    with its loss scale unmoved (else the benchmark refuses it), and the table is written."""
+    bench = _bench()
+    rows = bench.main(["--quick", "--out", str(tmp_path)])
+    assert {(r["case"], r["variant"]) for r in rows} == {
+        (c, v) for c in bench.QUICK_CASES for v in bench.DEFAULT_VARIANTS
+    }
+    plain = {r["case"]: r for r in rows if r["variant"] == "plain"}
+    for row in rows:
+        assert row["refused"] is None, row
+        assert row["median_ms"] > 0 and row["samples"] >= 4
+        if row["variant"] == "plain":
+            assert row["ratio"] == pytest.approx(1.0)
+        if row["variant"].startswith("lsj"):
+            # No select beyond the plain step's (in the full step, the backward pass of relu
+            # selects on activations that happen to share a parameter's shape).
+            selects = plain[row["case"]]["param_sized_selects"]
+            assert row["conditionals"] == 1 and row["param_sized_selects"] == selects, row
+    post = {r["variant"]: r for r in rows if r["kind"] == "post"}
+    for v in post:
+        if v.startswith("lsj"):
+            assert post[v]["param_sized_copies"] == 0 and post[v]["param_sized_selects"] == 0
     # The peers' whole-tree selects show up in the same counters.
-    assert by_name["jmp"]["param_sized_selects"] > 0
-    assert by_name["flax"]["param_sized_selects"] > 0
+    assert post["jmp"]["param_sized_selects"] > 0 and post["flax"]["param_sized_selects"] > 0
+    # One more read of the float16 gradients (2 B/param) than plain, in the HLO estimate.
+    n = post["plain"]["params"]
+    extra = (post["lsj_fused_ieee"]["bytes_moved"] - post["plain"]["bytes_moved"]) / n
+    assert 1.5 <= extra <= 2.5, extra
     table = (tmp_path / "results.md").read_text()
     assert "| lsj_fused_ieee |" in table and (tmp_path / "results.json").exists()
 
@@ -372,3 +421,36 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     assert histogram(negative.as_text()) == histogram(positive.as_text())
     mem_n, mem_p = negative.memory_analysis(), positive.memory_analysis()
     assert mem_n.temp_size_in_bytes == mem_p.temp_size_in_bytes
+
+
+def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
+    """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
+    bench = _bench()
+
+    def diverging(loss, pattern):
+        full, post, init, scale_of = bench.variant_plain(loss, pattern)
+
+        def bad(p, s, g):
+            p, s = post(p, s, g)
+            return jax.tree_util.tree_map(lambda x: x * jnp.inf, p), s
+
+        return full, bad, init, scale_of
+
+    def skipping(loss, pattern):
+        full, post, init, scale_of = bench.variant_lsj(loss, pattern, fused=True, mode="ieee")
+        return (
+            full,
+            lambda p, s, g: post(p, s, jax.tree_util.tree_map(lambda x: x * jnp.inf, g)),
+            init,
+            scale_of,
+        )
+
+    monkeypatch.setitem(bench.VARIANTS, "diverging", diverging)
+    monkeypatch.setitem(bench.VARIANTS, "skipping", skipping)
+    rows = bench.run_case(
+        "tiny/in_out/fp16grad/post", ["plain", "diverging", "skipping"], 1, 1, False, lambda m: None
+    )
+    refused = {r["variant"]: r["refused"] for r in rows}
+    assert refused["plain"] is None
+    assert "non-finite parameters" in refused["diverging"]
+    assert "loss scale moved" in refused["skipping"]
