@@ -139,11 +139,6 @@ def _leaf_flags(leaves: list[jax.Array], mode: str, threshold: float) -> list[ja
     return flags
 
 
-def _leaf_overflow(g: jax.Array, mode: str, threshold: float) -> jax.Array:
-    """A scalar bool: whether one gradient leaf shows an overflow under ``mode``."""
-    return _leaf_flags([g], mode, threshold)[0]
-
-
 def _threshold(compute_dtype: Any) -> float:
     return float(jnp.finfo(validate_compute_dtype(compute_dtype)).max)
 
@@ -390,21 +385,8 @@ def unscale_and_check(
       >>> bool(lsj.unscale_and_check(g, jnp.float32(0.0))[1])   # a bad device scale
       True
     """
-    mode = validate_overflow_mode(mode)
-    threshold = _threshold(compute_dtype)
     scale = _valid_scale(scale)
-    inv = _inverse(scale)
-    flags: list[jax.Array] = []
-
-    def leaf(g: Any, p: Any = None) -> Any:
-        if not _is_float(g):
-            return g
-        g = jnp.asarray(g)
-        flags.append(_leaf_overflow(g, mode, threshold))
-        return _unscale_leaf(g, inv, p)
-
-    if params is None:
-        out = jax.tree_util.tree_map(leaf, grads)
-    else:
-        out = jax.tree_util.tree_map(leaf, grads, params)
-    return out, jnp.logical_or(_reduce_any(flags), _scale_is_bad(scale))
+    # The check's grouped reductions (one kernel per group of same-shape leaves);
+    # the unscale is elementwise, so XLA fuses it with the gradient's consumer.
+    found = check_overflow(grads, mode, compute_dtype)
+    return unscale(grads, scale, params), jnp.logical_or(found, _scale_is_bad(scale))
