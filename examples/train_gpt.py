@@ -6,40 +6,40 @@ Language Reference text that ships with Python (``pydoc_data.topics``, the text
 behind ``help()``; no download; it varies a little with the Python version).
 The first 90% of the text trains, the last 10% validates.
 
-Two settings, each a different loss on the same 2,048-token micro-batches
-(32 sequences of 64 characters):
+Two settings, two normalisations of the loss on the same 1,024-token
+micro-batches (16 sequences of 64 characters):
 
 - ``mean``: the plain mean token cross-entropy of the micro-batch;
 - ``update_2^19``: one micro-batch of a 2**19-token update per optimizer step.
   Under gradient accumulation, GPT-2-scale training divides each micro-batch's
   loss by the update's token count (as nanoGPT and the Hugging Face trainer
-  normalise it), so each 2,048-token micro-batch's loss is its mean / 256.
-  This job takes one such micro-batch per step and does **not** accumulate
-  the other 255 (Adam does not depend on the gradient's scale, so float32 trains
+  normalise it), so each 1,024-token micro-batch's loss is its mean / 512.
+  This job takes one such micro-batch per step and does **not** accumulate the
+  other 511 (Adam does not depend on the gradient's scale, so float32 trains
   as in ``mean``); what it reproduces is the size of the gradients in each
-  micro-batch's float16 backward pass, where underflow happens.
+  micro-batch's float16 backward pass, which is where underflow happens.
 
-Four configurations (``CONFIGS``; a new policy is one more entry), the same
+Four configurations (``CONFIGS``; another policy is one more entry), the same
 seeds, initial weights and batches for all of them:
 
 - ``fp32``: float32 compute, the reference (``NoScale()``);
 - ``fp16``: float16 compute, no loss scale (``NoScale()``);
 - ``fp16_static``: float16 with ``StaticScale(1024)``;
-- ``fp16_dynamic``: float16 with ``DynamicScale(init_scale=2**16,
-  growth_interval=25, max_scale=inf)``.
+- ``fp16_dynamic``: float16 with ``DynamicScale(init_scale=2**19,
+  growth_interval=25, backoff_factor=0.25, max_scale=inf)``.
 
 float16 means: the matmuls run in float16 on a float16 copy of the float32
 master weights, LayerNorm statistics and the attention softmax in float32 (as
 autocast does), the logits are cast to float32 for the cross-entropy, and the
 gradients are taken with respect to the float16 copy. Every configuration is a
-``lsj.TrainState`` around ``lsj.loss_scaling(optax.adamw(schedule), policy)``;
-the seeds and both settings run as rows of one ``jax.vmap``-ed step, compiled
-once per configuration.
+``lsj.TrainState`` around ``lsj.loss_scaling(optax.adamw(schedule), policy)``.
+A row (a setting and a seed) is one train state; the rows of a configuration
+run one after another through the same compiled functions.
 
-Every ``--probe-every`` steps (the first step of each chunk) the job counts the
-gradient entries lost to underflow: entries that are non-zero in a float32
-reference gradient (float32 compute, same float32 weights, same batch, same
-loss) but exactly zero in the configuration's float16 gradient of that step.
+Every ``--probe-every`` steps the job counts the gradient entries lost to
+underflow: entries that are non-zero in a float32 reference gradient (float32
+compute, same float32 weights, same batch, same loss) but exactly zero in the
+configuration's float16 gradient of that step.
 
 Output in ``OUT`` (default ``out/``): ``gpt_results.json`` (one row per
 setting, configuration and seed), ``gpt_table.md`` (mean ± std over seeds),
@@ -81,9 +81,11 @@ UPDATE_TOKENS = 2**19  # tokens per optimizer update in GPT-2-scale training
 # Optimizer: AdamW, linear warm-up then cosine decay (over the run's steps).
 LR, LR_END, WARMUP, B2, WEIGHT_DECAY = 1e-3, 1e-4, 20, 0.99, 0.1
 
+STEPS = 250  # optimizer steps per run (the default)
 TRAIN_LOSS_LAST = 25  # the table's train loss is the mean of the last 25 steps
 GUIDELINE = 0.005  # keep skipped steps under 0.5%
 VAL_WINDOWS = 256  # validation: 256 windows of 64 predictions (16,384 tokens)
+PROMPT, SAMPLE_LENGTH, TEMPERATURE = "The ", 240, 0.5  # generated text, per configuration
 
 
 # --------------------------------------------------------------------------
@@ -120,15 +122,15 @@ class Config:
 
 
 STATIC_SCALE = 2.0**10
-# Dynamic: chosen so that, in a 300-step run, the scale climbs to its ceiling in
-# update_2^19 (where 2**28 overflows on about every other batch and 2**27 on about one
-# in fifty) and backs off once: 2**17 grown every 25 good steps reaches 2**27 at step
-# 250 and 2**28 at step 275; a backoff by 4 (not 2) drops it below the ceiling's
-# batch-to-batch spread, and two growths (50 steps) would be needed to come back, so
-# the run ends before a second overflow. No cap: the default max_scale, 2**24, would
-# hold the scale below the ceiling and no backoff would happen.
+# Dynamic: chosen so that, in the 250-step run, the scale climbs to its ceiling in
+# update_2^19 (there 2**28 overflows on about every other batch, 2**27 on about one in
+# fifty) and backs off once: 2**19 grown x2 every 25 good steps reaches 2**27 at step 200
+# and 2**28 at step 225. A backoff by 4 (not 2) drops it below the ceiling's
+# batch-to-batch spread, and two growths (50 steps) would be needed to come back, so the
+# run ends before a second overflow. No cap: the default max_scale, 2**24, would hold the
+# scale below the ceiling and no backoff would happen.
 DYNAMIC = lsj.DynamicScale(
-    init_scale=2.0**17, growth_interval=25, backoff_factor=0.25, max_scale=math.inf
+    init_scale=2.0**19, growth_interval=25, backoff_factor=0.25, max_scale=math.inf
 )
 
 CONFIGS: tuple[Config, ...] = (
@@ -346,7 +348,7 @@ def evaluate(loss_fn, params, val_inputs, val_targets):
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def generate(params, prompt, key, length, vocab_size):
-    """``length`` characters sampled after ``prompt`` (temperature 0.8, float32)."""
+    """``length`` characters sampled after ``prompt`` at ``TEMPERATURE`` (float32 weights)."""
     model = GPT(vocab_size)
     n = prompt.shape[0]
     buf = jnp.zeros((n + length,), jnp.int32).at[:n].set(prompt)
@@ -356,7 +358,9 @@ def generate(params, prompt, key, length, vocab_size):
         start = jnp.maximum(pos - CONTEXT, 0)
         window = lax.dynamic_slice(buf, (start,), (CONTEXT,))
         logits = model.apply({"params": params}, window[None])[0, pos - 1 - start]
-        return buf.at[pos].set(jax.random.categorical(k, logits / 0.8).astype(jnp.int32)), None
+        return buf.at[pos].set(
+            jax.random.categorical(k, logits / TEMPERATURE).astype(jnp.int32)
+        ), None
 
     pos = jnp.arange(n, n + length)
     return lax.scan(body, buf, (pos, jax.random.split(key, length)))[0][n:]
@@ -364,9 +368,6 @@ def generate(params, prompt, key, length, vocab_size):
 
 # --------------------------------------------------------------------------
 # The job.
-
-PROMPT = "The "
-SAMPLE_LENGTH = 240
 
 
 def compile_in_parallel(lowered: Sequence[Any], workers: int = 2) -> None:
@@ -492,7 +493,10 @@ def result_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
 def _mean_std(values: Sequence[float], fmt: str = ".3f", sign: str = "") -> str:
     v = np.asarray(values, np.float64)
     std = v.std(ddof=1) if len(v) > 1 else 0.0
-    return f"{v.mean():{sign}{fmt}} ± {std:{fmt}}"
+    mean = f"{v.mean():{sign}{fmt}}"
+    if float(mean) == 0.0:  # no "-0.000"
+        mean = f"{0.0:{sign}{fmt}}"
+    return f"{mean} ± {std:{fmt}}"
 
 
 def _scales(values: Sequence[float]) -> str:
@@ -617,7 +621,7 @@ def plot(job: dict[str, Any], path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
         if col == 0:
             ax.set_ylabel("loss scale (x: skipped step)")
-        ax.legend(fontsize=6, loc="upper left", ncol=2)
+        ax.legend(fontsize=6, loc="best", ncol=2)
     fig.suptitle(
         f"char-level GPT on the Python Language Reference, {job['steps']} steps: "
         "float16 vs float32 (grey), with and without loss scaling"
@@ -640,7 +644,7 @@ def format_samples(job: dict[str, Any]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300)")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {STEPS})")
     p.add_argument("--seeds", type=int, default=None, help="seeds (default 3)")
     p.add_argument(
         "--probe-every",
@@ -660,7 +664,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.steps is None:
-        args.steps = 25 if args.quick else 300
+        args.steps = 25 if args.quick else STEPS
     if args.seeds is None:
         args.seeds = 2 if args.quick else 3
     for name in ("steps", "seeds", "probe_every"):
@@ -688,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     (args.out / "gpt_samples.txt").write_text(samples)
     plot(job, args.out / "gpt_plot.png")
     print(table)
-    print("\nGenerated text (seed 0, temperature 0.8, after the prompt 'The '):\n")
+    print(f"\nGenerated text (seed 0, temperature {TEMPERATURE}, after {PROMPT!r}):\n")
     print(samples)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(
