@@ -124,7 +124,7 @@ class Config:
 STATIC_SCALE = 2.0**10
 # Dynamic: chosen so that, in the 250-step run, the scale climbs to its ceiling in
 # update_2^19 (there 2**28 overflows on about every other batch, 2**27 on about one in
-# fifty) and backs off once: 2**19 grown x2 every 25 good steps reaches 2**27 at step 200
+# seventy) and backs off once: 2**19 grown x2 every 25 good steps reaches 2**27 at step 200
 # and 2**28 at step 225. A backoff by 4 (not 2) drops it below the ceiling's
 # batch-to-batch spread, and two growths (50 steps) would be needed to come back, so the
 # run ends before a second overflow. No cap: the default max_scale, 2**24, would hold the
