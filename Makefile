@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/train_digits.py
+	$(BIN)/python examples/train_gpt.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
