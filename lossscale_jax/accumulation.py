@@ -213,7 +213,7 @@ def loss_scaling_multi_steps(
 
     def update_fn(
         updates: optax.Updates,
-        state: LossScalingMultiStepsState,
+        state: optax.OptState,
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingMultiStepsState]:

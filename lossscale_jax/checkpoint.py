@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -115,7 +115,8 @@ def _check_policy(tree: Any, policy: LossScalePolicy | None) -> None:
                     "metadata tree has none: use restore_orbax(path, target, policy=policy), "
                     "which checks after reading them."
                 )
-            states.append((_fmt(prefix), serialization.from_state_dict(policy.init(), values)))
+            state = serialization.from_state_dict(policy.init(), values)
+            states.append((_fmt(prefix), cast(LossScaleState, state)))
     for where, state in states:
         if not _is_value(state.scale):
             raise TypeError(
@@ -259,6 +260,7 @@ def restore_flax(
       >>> float(restored.loss_scale.scale)
       8.0
     """
+    state_dict: Any  # whatever the bytes hold; check_checkpoint compares it with target
     if isinstance(encoded, bytes | bytearray):
         state_dict = serialization.msgpack_restore(bytes(encoded))
     elif isinstance(encoded, dict):
@@ -275,7 +277,7 @@ def restore_flax(
 
 
 def restore_orbax(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     target: Any,
     *,
     checkpointer: Any = None,

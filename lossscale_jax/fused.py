@@ -23,7 +23,7 @@ def _parts(tx: Any) -> Any:
 
 
 def apply_gradients(
-    tx: optax.GradientTransformationExtraArgs,
+    tx: optax.GradientTransformation,
     grads: optax.Updates,
     opt_state: LossScalingState,
     params: optax.Params,

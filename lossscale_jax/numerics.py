@@ -15,7 +15,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 OverflowMode = Literal["ieee", "saturating", "both"]
-OVERFLOW_MODES: tuple[str, ...] = ("ieee", "saturating", "both")
+OVERFLOW_MODES: tuple[OverflowMode, ...] = ("ieee", "saturating", "both")
 
 _FLOAT16_FAMILY = (jnp.float16,)
 # The dtypes a backward pass can compute in for loss scaling: their finfo.max is
@@ -23,7 +23,7 @@ _FLOAT16_FAMILY = (jnp.float16,)
 COMPUTE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 
-def validate_overflow_mode(mode: Any) -> str:
+def validate_overflow_mode(mode: Any) -> OverflowMode:
     """Returns ``mode`` if it names an overflow check, else raises ``ValueError``."""
     if not isinstance(mode, str) or mode not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {mode!r}.")

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import chex
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -21,9 +22,29 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = int(np.iinfo(np.int32).max)
 _GROWTH_OVERFLOW: tuple[str, ...] = ("refuse", "clamp")
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+
+    from typing_extensions import Self
+
+    class _ChexDataclass(Mapping[str, jax.Array]):
+        """What ``chex.dataclass`` adds to a class at run time, spelled out for type checkers.
+
+        It makes the class a ``collections.abc.Mapping`` of its fields (so a state is an
+        ``optax.OptState``) with a ``replace`` method.
+        """
+
+        def replace(self, **changes: Any) -> Self: ...
+        def __getitem__(self, key: str) -> jax.Array: ...
+        def __iter__(self) -> Iterator[str]: ...
+        def __len__(self) -> int: ...
+
+else:
+    _ChexDataclass = object
+
 
 @chex.dataclass
-class LossScaleState:
+class LossScaleState(_ChexDataclass):
     """The loss scale and its counters; a pytree of fixed-dtype arrays.
 
     Attributes:

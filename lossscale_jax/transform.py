@@ -19,6 +19,7 @@ AxisName = Hashable | Sequence[Hashable]
 # The attribute that marks the ``update`` of this library's transformations, so
 # that one cannot be wrapped in another (that would unscale twice).
 _KIND = "lossscale_jax_kind"
+_PARTS = "loss_scaling_parts"  # read by apply_gradients (fused.py) and flax_utils
 
 
 class LossScalingState(NamedTuple):
@@ -406,7 +407,7 @@ def loss_scaling(
 
     def update_fn(
         updates: optax.Updates,
-        state: LossScalingState,
+        state: optax.OptState,
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
@@ -434,7 +435,7 @@ def loss_scaling(
         return new_updates, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)
 
     # What `lossscale_jax.apply_gradients` needs to run the same step fused.
-    update_fn.loss_scaling_parts = _LossScalingParts(inner=inner, decide=decide)
+    setattr(update_fn, _PARTS, _LossScalingParts(inner=inner, decide=decide))
     setattr(update_fn, _KIND, "loss_scaling")
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
