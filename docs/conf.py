@@ -40,7 +40,11 @@ myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 
 # Repository files that are pages of the site (docs/_ext/repolinks.py rewrites links to them).
-repolinks_pages = {"README.md": "index", "benchmarks/README.md": "benchmarks"}
+repolinks_pages = {
+    "README.md": "index",
+    "benchmarks/README.md": "benchmarks",
+    "benchmarks/results.md": "benchmark_results",
+}
 
 # API reference (docs/api/*.rst, generated from each module's __all__ by docs/_ext/apiref.py).
 autodoc_member_order = "bysource"

@@ -1,4 +1,4 @@
-"""The main job (examples/train_digits.py) in its --quick mode.
+"""The digits job (examples/train_digits.py) in its --quick mode.
 
 References: the underflow count is recomputed here from plain NumPy on gradients taken
 separately; the skipped-step rate from the runs' own per-step flags; the accuracy of fp32
