@@ -25,6 +25,11 @@ from lossscale_jax import _upcast, numerics
 __all__ = ["Diagnosis", "LeafDiagnosis", "diagnose"]
 
 # Histogram bins of floor(log2|g|): every finite nonzero float32 (2^-149 .. 2^127).
+# A reference entry counts as nonzero when |g| > NOISE * max|g| of its leaf (per batch):
+# smaller ones are at the rounding noise of the float32 computation (the gradient of
+# attention's key bias, which softmax cannot see, is 0 in exact arithmetic and about
+# 1e-16, 2^-40 of its leaf's largest, in float32), not gradient float16 could lose.
+NOISE = float(np.finfo(np.float32).eps)
 LOG2_MIN, LOG2_MAX = -150, 128
 _N_BINS = LOG2_MAX - LOG2_MIN + 1
 
@@ -39,7 +44,10 @@ class LeafDiagnosis:
     """What float16 does to one gradient leaf (one row of the table).
 
     Fractions of underflow count the entries that are nonzero in the float32
-    reference gradient and exactly zero in the float16 one; fractions of
+    reference gradient and exactly zero in the float16 one (nonzero: above the
+    reference's rounding noise, ``|g| > eps(float32) * max|g|`` of the leaf;
+    e.g. attention's key bias, whose gradient is 0 in exact arithmetic, is
+    left out); fractions of
     overflow count entries that are inf, nan or ``|g| >= 65504`` in the
     float16 gradient (of the scaled loss), over all entries. Both are over
     every batch given to ``diagnose``.
@@ -278,18 +286,25 @@ def _check_scales(scales: Any, scale: float) -> np.ndarray:
     return np.unique(np.concatenate([grid, [1.0, scale]]).astype(np.float32)).astype(np.float64)
 
 
+def significant(g: jax.Array) -> jax.Array:
+    """The entries of a reference gradient leaf above its rounding noise (``NOISE``)."""
+    a = jnp.abs(g.astype(jnp.float32))
+    return a > NOISE * jnp.max(a, initial=0.0)
+
+
 def _reference_stats(g32: list[jax.Array]) -> tuple[jax.Array, ...]:
     """Per leaf of the reference gradient: max |g|, min nonzero |g|, nonzeros, histogram.
 
     The histogram of ``floor(log2|g|)`` over the nonzero entries of every leaf is one
     ``bincount`` of ``leaf * bins + exponent`` (one scatter, whatever the leaf count).
+    Nonzero: above the rounding noise, ``|g| > NOISE * max|g|`` of the leaf.
     """
     big = jnp.finfo(jnp.float32).max
     maxes, mins, counts, index = [], [], [], []
     dump = len(g32) * _N_BINS  # the bin of zero entries, dropped
     for j, g in enumerate(g32):
         a = jnp.abs(g.astype(jnp.float32)).ravel()
-        nonzero = a > 0
+        nonzero = significant(g).ravel()
         maxes.append(jnp.max(a, initial=0.0))
         mins.append(jnp.min(jnp.where(nonzero, a, big), initial=big))
         counts.append(jnp.sum(nonzero, dtype=jnp.int32))
@@ -326,7 +341,7 @@ def _make_batch_fn(loss_fn: Callable, reference: Callable, treedef, floats, rest
             return jnp.asarray(reference(params_of(fl, leaves), batch)).astype(jnp.float32)
 
         loss32, g32 = jax.value_and_grad(ref_loss)(ref_leaves)
-        ref_nonzero = [jnp.abs(g) > 0 for g in g32]
+        ref_nonzero = [significant(g) for g in g32]
 
         def low_loss(fl, s):
             return jnp.asarray(loss_fn(params_of(fl, leaves), batch)).astype(jnp.float32) * s
@@ -385,7 +400,8 @@ def diagnose(
 
       g32     = grad(reference(params, batch))                 # float32
       g16(S)  = grad(float32(loss_fn(params, batch)) * S)      # float16 backward, S in scales
-      underflow(leaf, S) = mean over g32 != 0 of (g16(S) == 0)
+      nonzero = |g32| > eps(float32) * max|g32|  # per leaf: above float32's rounding noise
+      underflow(leaf, S) = mean over nonzero of (g16(S) == 0)
       overflow(leaf, S)  = mean of (not |g16(S)| < finfo(compute_dtype).max)
       highest = the largest S such that no S' <= S overflows (any leaf, any batch)
       floor   = min of underflow(model, S) over S <= highest
