@@ -286,7 +286,7 @@ def _check_scales(scales: Any, scale: float) -> np.ndarray:
     return np.unique(np.concatenate([grid, [1.0, scale]]).astype(np.float32)).astype(np.float64)
 
 
-def significant(g: jax.Array) -> jax.Array:
+def _significant(g: jax.Array) -> jax.Array:
     """The entries of a reference gradient leaf above its rounding noise (``NOISE``)."""
     a = jnp.abs(g.astype(jnp.float32))
     return a > NOISE * jnp.max(a, initial=0.0)
@@ -304,7 +304,7 @@ def _reference_stats(g32: list[jax.Array]) -> tuple[jax.Array, ...]:
     dump = len(g32) * _N_BINS  # the bin of zero entries, dropped
     for j, g in enumerate(g32):
         a = jnp.abs(g.astype(jnp.float32)).ravel()
-        nonzero = significant(g).ravel()
+        nonzero = _significant(g).ravel()
         maxes.append(jnp.max(a, initial=0.0))
         mins.append(jnp.min(jnp.where(nonzero, a, big), initial=big))
         counts.append(jnp.sum(nonzero, dtype=jnp.int32))
@@ -341,7 +341,7 @@ def _make_batch_fn(loss_fn: Callable, reference: Callable, treedef, floats, rest
             return jnp.asarray(reference(params_of(fl, leaves), batch)).astype(jnp.float32)
 
         loss32, g32 = jax.value_and_grad(ref_loss)(ref_leaves)
-        ref_nonzero = [significant(g) for g in g32]
+        ref_nonzero = [_significant(g) for g in g32]
 
         def low_loss(fl, s):
             return jnp.asarray(loss_fn(params_of(fl, leaves), batch)).astype(jnp.float32) * s

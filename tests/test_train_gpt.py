@@ -225,6 +225,11 @@ def test_quick_prints_and_saves_the_diagnosis(job):
     png = (out / "gpt_diagnosis.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert d.verdict.startswith("scale needed") and d.num_batches == 1
+    # The query-key-value bias holds the key bias, whose gradient is 0 in exact arithmetic and
+    # float32 rounding noise (about 1e-16) in the reference: it is not float16's loss. Counted
+    # as nonzero, it made this leaf "underflows at every safe scale: keep it in float32".
+    assert "keep" not in d.verdict
+    assert {leaf.verdict for leaf in d.leaves} == {"scale needed", "float16 needs no scaling here"}
     # The job's probe at step 0 (fp16 unscaled, update_2^19, seed 0: the same weights and
     # batch) counts entries zero in float16 and nonzero in float32, with code of its own.
     # It counts the float32 rounding noise diagnose leaves out (the key biases' gradients,
