@@ -193,6 +193,24 @@ def overflow_flags(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _leaf_vector(
+    grads: Any,
+    mode: OverflowMode = "ieee",
+    compute_dtype: Any = jnp.float16,
+) -> jax.Array:
+    """``overflow_flags(grads)`` as one ``bool`` vector, in ``tree_leaves(grads)`` order.
+
+    The same grouped reductions as ``check_overflow`` (its result is
+    ``any(vector)``); the vector is their scalar results stacked, a few bytes
+    per leaf, and nothing of a gradient's size. What ``loss_scaling`` keeps as
+    its per-leaf overflow record.
+    """
+    flags = jax.tree_util.tree_leaves(overflow_flags(grads, mode, compute_dtype))
+    if not flags:
+        return jnp.zeros([0], jnp.bool_)
+    return jnp.stack(flags)
+
+
 def check_overflow(
     grads: Any,
     mode: OverflowMode = "ieee",
