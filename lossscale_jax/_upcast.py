@@ -60,7 +60,8 @@ def _widen(x: Any, low: np.dtype) -> Any:
 def _read(env: dict, v: Any, low: np.dtype) -> Any:
     if isinstance(v, jcore.Literal):
         val = v.val
-        if _is_low(v.aval.dtype, low):
+        dtype = getattr(v.aval, "dtype", None)  # a literal's aval is a ShapedArray
+        if dtype is not None and _is_low(dtype, low):
             return np.asarray(val, _HIGH)
         return val
     return env[v]

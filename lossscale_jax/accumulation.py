@@ -312,4 +312,5 @@ def loss_scaling_multi_steps(
         return transform._cond(state.mini_step >= every_k - 1, finish, accumulate, acc)
 
     setattr(update_fn, transform._KIND, "loss_scaling_multi_steps")
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # leaf_overflow may be None (no record): a leafless pytree optax's OptState alias omits.
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

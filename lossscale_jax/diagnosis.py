@@ -216,7 +216,7 @@ class Diagnosis:
     def __str__(self) -> str:
         return self.table()
 
-    def plot(self, path: str | os.PathLike | None = None, *, max_leaves: int = 40) -> Any:
+    def plot(self, path: str | os.PathLike[str] | None = None, *, max_leaves: int = 40) -> Any:
         """The distribution of log2|g| against float16's range (needs matplotlib).
 
         Two panels: the whole model's histogram of ``log2|g|`` (float32

@@ -6,6 +6,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -92,7 +93,7 @@ def _check_and_reduce(
     updates: Any,
     scale: jax.Array,
     record: jax.Array | None,
-    mode: str,
+    mode: numerics.OverflowMode,
     compute_dtype: Any,
     axis_name: Any,
     attribution: str | None,
@@ -542,7 +543,8 @@ def loss_scaling(
     setattr(update_fn, _PARTS, _LossScalingParts(inner=inner, decide=decide))
     setattr(update_fn, _KIND, "loss_scaling")
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # leaf_overflow may be None (no record): a leafless pytree optax's OptState alias omits.
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def _is_loss_scale_state(x: Any) -> bool:

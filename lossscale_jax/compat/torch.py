@@ -376,4 +376,5 @@ def multi_optimizer(
         )
         return new_updates, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # leaf_overflow may be None (no record): a leafless pytree optax's OptState alias omits.
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
