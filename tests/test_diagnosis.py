@@ -76,14 +76,14 @@ def test_rewrite_is_the_float32_model():
     params = mlp_params()
     ref = _upcast.upcast(mlp_loss(1.0))
     assert not _upcast.computes_in(ref, (params, BATCHES[0]), jnp.float16)
-    got = jax.grad(ref)(params, BATCHES[0])
-    want = jax.grad(mlp_loss(1.0, jnp.float32))(params, BATCHES[0])
+    got = jax.jit(jax.grad(ref))(params, BATCHES[0])
+    want = jax.jit(jax.grad(mlp_loss(1.0, jnp.float32)))(params, BATCHES[0])
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         assert g.dtype == jnp.float32
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
 
     x = jax.random.normal(jax.random.key(1), (2, 4, 8), jnp.float32)
-    block_params = Block().init(jax.random.key(0), x)
+    block_params = jax.jit(Block().init)(jax.random.key(0), x)
 
     def loss(dtype):
         return lambda p, x: jnp.mean(jnp.square(Block(dtype=dtype).apply(p, x)))
@@ -91,8 +91,8 @@ def test_rewrite_is_the_float32_model():
     ref = _upcast.upcast(loss(jnp.float16))
     assert _upcast.computes_in(loss(jnp.float16), (block_params, x), jnp.float16)
     assert not _upcast.computes_in(ref, (block_params, x), jnp.float16)
-    got = jax.tree_util.tree_leaves(jax.grad(ref)(block_params, x))
-    want = jax.tree_util.tree_leaves(jax.grad(loss(jnp.float32))(block_params, x))
+    got = jax.tree_util.tree_leaves(jax.jit(jax.grad(ref))(block_params, x))
+    want = jax.tree_util.tree_leaves(jax.jit(jax.grad(loss(jnp.float32)))(block_params, x))
     # Constants the float16 program holds stay rounded to float16 (gelu's 0.044715 is
     # 0.044708 there, 1.6e-4 off), so the two differ by more than float32 rounding. The
     # tolerance is relative to the largest gradient of the model: some leaves (the key's
