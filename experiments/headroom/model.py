@@ -19,6 +19,7 @@ Rule (one step; ``overflow`` and ``amax`` already reduced across devices)::
           scale = scale * blind_backoff
       else:                                # the measured headroom was not enough
           margin = min(margin + 1, max_margin)
+          peak = max(peak, 1 / scale)      # this batch filled the range at `scale`
           scale = min(scale / 2, target(peak, margin))
   else:
       peak = max(amax, peak * decay)       # held peak, decay = 2 ** (-1 / window)
@@ -50,12 +51,13 @@ class Headroom:
     init_scale: float = 2.0**15
     min_margin: int = 1
     max_margin: int = 8
-    margin_interval: int = 1000
+    margin_interval: int = 2000
     window: float = 100.0  # steps for the held peak to fall by one octave
     blind_backoff: float = 2.0**-8
     min_scale: float = 1.0
     max_scale: float = 2.0**24
     grow_margin: bool = True  # margin += 1 after an informed overflow
+    bump: bool = True  # peak = max(peak, 1 / scale) after an informed overflow
 
     @property
     def decay(self) -> np.float32:
@@ -90,6 +92,8 @@ def step(h: Headroom, s: dict, overflow: bool, amax: float) -> dict:
         else:
             if h.grow_margin:
                 margin = min(margin + 1, h.max_margin)
+            if h.bump:
+                peak = max(peak, f32(f32(1.0) / scale))
             new = min(f32(scale * f32(0.5)), target(peak, margin))
     else:
         peak = max(f32(amax), f32(peak * h.decay))

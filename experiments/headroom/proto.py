@@ -70,9 +70,11 @@ class HeadroomProto(LossScalePolicy):
         blind = peak == 0
         grown = jnp.minimum(margin + 1, h.max_margin) if h.grow_margin else margin
         margin_bad = jnp.where(blind, margin, grown)
-        informed = jnp.minimum(scale * f32(0.5), _target(peak, margin_bad))
+        bumped_peak = jnp.maximum(peak, f32(1.0) / scale) if h.bump else peak
+        informed = jnp.minimum(scale * f32(0.5), _target(bumped_peak, margin_bad))
         scale_bad = jnp.where(blind, scale * f32(h.blind_backoff), informed)
-        peak_bad = peak
+        bumped = jnp.maximum(peak, f32(1.0) / scale) if h.bump else peak
+        peak_bad = jnp.where(blind, peak, bumped)
 
         # Good branch.
         peak_good = jnp.maximum(state.amax, peak * f32(h.decay))

@@ -38,7 +38,7 @@ def train_step(state, x, y, weight):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--margin", type=int, default=1)
-    p.add_argument("--window", type=float, default=50.0)
+    p.add_argument("--window", type=float, default=100.0)
     a, rest = p.parse_known_args(argv)
     h = model.Headroom(init_scale=2.0**15, min_margin=a.margin, window=a.window)
     digits.CONFIGS = {

@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--margin", type=int, default=1)
     p.add_argument("--window", type=float, default=100.0)
-    p.add_argument("--margin-interval", type=int, default=1000)
+    p.add_argument("--margin-interval", type=int, default=2000)
     p.add_argument("--init-scale", type=int, default=19, help="log2 of the initial scale")
     p.add_argument("--configs", default="fp32,fp16_dynamic,fp16_headroom")
     a = p.parse_args(argv)
