@@ -57,6 +57,9 @@ autodoc_preserve_defaults = True
 # jax.typing.ArrayLike by name, not expanded into its eight-member union.
 autodoc_type_aliases = {"ArrayLike": "jax.typing.ArrayLike"}
 autosummary_generate = False
+# The page's table of contents lists members under their class by their own name ("scale",
+# not "LossScaleState.scale"): qualified names broke mid-word in the narrow sidebar.
+toc_object_entries_show_parents = "hide"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False

@@ -41,10 +41,18 @@ underflow: entries that are non-zero in a float32 reference gradient (float32
 compute, same float32 weights, same batch, same loss) but exactly zero in the
 configuration's float16 gradient of that step.
 
+Before training, the job prints ``lsj.diagnose``'s table for the model in the
+``update_2^19`` setting (seed 0's initial weights, the first ``DIAGNOSIS_BATCHES``
+micro-batches of seed 0, loss scales 2^0 to 2^30, the dynamic policy's initial
+2^19 as the scale in use): per parameter, what float16's backward pass loses and
+the range of initial scales that neither overflows nor loses gradient.
+
 Output in ``OUT`` (default ``out/``): ``gpt_results.json`` (one row per
 setting, configuration and seed), ``gpt_table.md`` (mean ± std over seeds),
 ``gpt_plot.png`` (loss curves, float32 behind each float16 panel; the loss scale
-with skipped steps marked) and ``gpt_samples.txt`` (generated text).
+with skipped steps marked), ``gpt_samples.txt`` (generated text),
+``gpt_diagnosis.txt`` (the diagnosis table) and ``gpt_diagnosis.png`` (its
+picture: log2|g| against float16's range, shifted by the recommended scale).
 
 Run: ``python examples/train_gpt.py [--steps N] [--seeds K] [--out DIR] [--quick]``
 """
@@ -86,6 +94,11 @@ TRAIN_LOSS_LAST = 25  # the table's train loss is the mean of the last 25 steps
 GUIDELINE = 0.005  # keep skipped steps under 0.5%
 VAL_WINDOWS = 256  # validation: 256 windows of 64 predictions (16,384 tokens)
 PROMPT, SAMPLE_LENGTH, TEMPERATURE = "The ", 240, 0.5  # generated text, per configuration
+# The diagnosis before training: micro-batches, and the loss scales tried (2^0 .. 2^30: the
+# static 2^10, the dynamic 2^19 and the ceiling near 2^27 are inside). --quick: 1 batch,
+# every other power of two.
+DIAGNOSIS_BATCHES = 4
+DIAGNOSIS_SCALES = 2.0 ** np.arange(0, 31)
 
 
 # --------------------------------------------------------------------------
@@ -467,6 +480,31 @@ def run(steps: int, seeds: int, probe_every: int, progress: bool = True) -> dict
     return dict(rows=rows, results=results, corpus=corpus, steps=steps)
 
 
+def diagnose_model(quick: bool = False) -> lsj.Diagnosis:
+    """``lsj.diagnose`` of the model in the ``update_2^19`` setting, before training.
+
+    Seed 0's initial float32 weights, the first micro-batches seed 0 trains on, float16
+    compute as in the training step (the weights cast to float16, the loss weight applied
+    to the float32 loss); the float32 reference is the same program in float32.
+    """
+    corpus = load_corpus()
+    tokens = jnp.asarray(corpus.train)
+    setting = next(s for s in SETTINGS if s.name == "update_2^19")
+    model_loss = loss_function(corpus.vocab_size)
+
+    def loss_fn(params, batch):
+        return model_loss(cast(params, F16), batch) * setting.loss_weight
+
+    n = 1 if quick else DIAGNOSIS_BATCHES
+    offsets = batch_offsets(0, n, len(corpus.train))  # the first n steps of seed 0
+    batches = [windows(tokens, jnp.asarray(o)) for o in offsets]
+    params = init_params(corpus.vocab_size, jnp.int32(0))
+    scales = DIAGNOSIS_SCALES[::2] if quick else DIAGNOSIS_SCALES
+    return lsj.diagnose(
+        loss_fn, params, batches, scale=DYNAMIC.init_scale, scales=scales, print_table=False
+    )
+
+
 def result_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
     """The JSON rows: one per (setting, configuration, seed)."""
     out = []
@@ -681,12 +719,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t0, c0 = time.perf_counter(), time.process_time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    diagnosis = diagnose_model(args.quick)
+    print(
+        "What float16 does to this model's gradients in the update_2^19 setting, before "
+        "training (lsj.diagnose):\n"
+    )
+    print(diagnosis.table() + "\n", flush=True)
+    (args.out / "gpt_diagnosis.txt").write_text(diagnosis.table() + "\n")
+    diagnosis.plot(args.out / "gpt_diagnosis.png")
     job = run(args.steps, args.seeds, args.probe_every, progress=not args.no_progress)
     rows = result_rows(job)
     table = format_table(rows, args.steps, args.seeds, args.probe_every)
     samples = format_samples(job)
 
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpt_results.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out / "gpt_table.md").write_text(table + "\n")
     (args.out / "gpt_samples.txt").write_text(samples)
@@ -696,10 +742,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(samples)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(
-        f"wrote {args.out / 'gpt_results.json'}, gpt_table.md, gpt_plot.png and "
-        f"gpt_samples.txt in {wall:.0f} s ({cpu:.0f} s of CPU time)"
+        f"wrote {args.out / 'gpt_results.json'}, gpt_table.md, gpt_plot.png, "
+        f"gpt_samples.txt, gpt_diagnosis.txt and gpt_diagnosis.png in {wall:.0f} s "
+        f"({cpu:.0f} s of CPU time)"
     )
-    return dict(job=job, rows=rows, table=table, out=args.out, wall_s=wall, cpu_s=cpu)
+    return dict(
+        job=job, rows=rows, table=table, diagnosis=diagnosis, out=args.out, wall_s=wall, cpu_s=cpu
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from lossscale_jax import compat, testing
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
 from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orbax
+from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, diagnose
 from lossscale_jax.flax_utils import LossScaleOptimizer, TrainState
 from lossscale_jax.fused import apply_gradients
 from lossscale_jax.numerics import check_overflow, unscale, unscale_and_check
@@ -19,6 +20,7 @@ from lossscale_jax.transform import (
     get_loss_scale_state,
     loss_scaling,
     metrics,
+    overflowed_leaves,
     reduce_overflow,
     scale_loss,
     set_loss_scale_state,
@@ -29,7 +31,9 @@ from lossscale_jax.transform import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Diagnosis",
     "DynamicScale",
+    "LeafDiagnosis",
     "LossScaleOptimizer",
     "LossScalePolicy",
     "LossScaleState",
@@ -44,10 +48,12 @@ __all__ = [
     "check_checkpoint",
     "compat",
     "check_overflow",
+    "diagnose",
     "get_loss_scale_state",
     "loss_scaling",
     "loss_scaling_multi_steps",
     "metrics",
+    "overflowed_leaves",
     "reduce_overflow",
     "restore_flax",
     "restore_orbax",

@@ -18,7 +18,6 @@ from lossscale_jax.transform import (
     _refuse_nested_state,
     _skip_updates,
     _validate_axes,
-    reduce_overflow,
 )
 
 
@@ -32,6 +31,12 @@ class LossScalingMultiStepsState(NamedTuple):
       acc_grads: the sum of the window's unscaled micro-gradients, float32 at least
         (finite always: an overflowing micro-batch is never added).
       inner_state: the state of the inner transformation.
+      leaf_overflow: ``bool[n]``, one flag per leaf of the parameters given to
+        ``init``: whether that leaf's gradient overflowed in a micro-batch of
+        the current window so far; after a window's last micro-batch, in any
+        micro-batch of that window (the window ``metrics`` reports). The first
+        micro-batch of the next window starts it afresh. ``None`` when the
+        transformation keeps no record (``attribution=None``).
     """
 
     loss_scale: LossScaleState
@@ -39,6 +44,7 @@ class LossScalingMultiStepsState(NamedTuple):
     window_overflow: jax.Array
     acc_grads: optax.Updates
     inner_state: optax.OptState
+    leaf_overflow: jax.Array | None = None
 
 
 transform._OWNER_TYPES.append(LossScalingMultiStepsState)
@@ -119,6 +125,7 @@ def loss_scaling_multi_steps(
     axis_name: AxisName | None = None,
     on_stuck: str = "skip",
     local_axes: AxisName | None = None,
+    attribution: str | None = "reduced",
 ) -> optax.GradientTransformationExtraArgs:
     """Loss scaling over windows of ``every_k`` micro-batches (gradient accumulation).
 
@@ -133,6 +140,7 @@ def loss_scaling_multi_steps(
 
       grads, found = unscale_and_check(scaled_grads, scale, params)
       window_overflow = any(window_overflow or found over axis_name)
+      leaf_overflow = flags if mini_step == 0 else leaf_overflow | flags  # per leaf
       if not window_overflow:
           acc_grads += grads                     # float32 at least; stays finite
       if mini_step < every_k - 1:
@@ -162,6 +170,9 @@ def loss_scaling_multi_steps(
       axis_name: ``pmap``/``shard_map`` axis name(s) over which the flag is reduced.
       on_stuck: ``"skip"`` or ``"error"`` (see ``loss_scaling``).
       local_axes: mapped axes over which the flag is not reduced (see ``loss_scaling``).
+      attribution: the per-leaf overflow record, ``"reduced"`` (default),
+        ``"local"`` or ``None`` (see ``loss_scaling``); here the OR over the
+        window's micro-batches (``LossScalingMultiStepsState.leaf_overflow``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a
@@ -197,6 +208,7 @@ def loss_scaling_multi_steps(
     compute_dtype = numerics.validate_compute_dtype(compute_dtype)
     reduced, local = _validate_axes(axis_name, local_axes)
     on_stuck = stuck.validate_on_stuck(on_stuck)
+    attribution = transform.validate_attribution(attribution)
     _refuse_nested_inner(inner, "loss_scaling_multi_steps")
     inner = optax.with_extra_args_support(inner)
 
@@ -209,11 +221,12 @@ def loss_scaling_multi_steps(
             window_overflow=jnp.zeros([], jnp.bool_),
             acc_grads=jax.tree_util.tree_map(_acc_zeros, params),
             inner_state=inner_state,
+            leaf_overflow=transform._empty_record(params, attribution),
         )
 
     def update_fn(
         updates: optax.Updates,
-        state: LossScalingMultiStepsState,
+        state: optax.OptState,
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingMultiStepsState]:
@@ -223,10 +236,20 @@ def loss_scaling_multi_steps(
                 f"init, got {type(state).__name__}."
             )
         _check_mapped_axes(updates, reduced, local, mode, "loss_scaling_multi_steps")
-        grads, found = numerics.unscale_and_check(
-            updates, state.loss_scale.scale, params=params, mode=mode, compute_dtype=compute_dtype
+        scale = numerics._valid_scale(state.loss_scale.scale)
+        grads = numerics.unscale(updates, scale, params)
+        # The check of unscale_and_check, keeping its per-leaf flags; the flag and the
+        # record are ORed over the window and reduced over axis_name (one collective).
+        window_overflow, record = transform._check_and_reduce(
+            updates,
+            scale,
+            state.leaf_overflow,
+            mode,
+            compute_dtype,
+            axis_name,
+            attribution,
+            window=(state.window_overflow, state.mini_step == 0),
         )
-        window_overflow = reduce_overflow(jnp.logical_or(state.window_overflow, found), axis_name)
 
         def add(acc, g):
             if not numerics._is_float(g):
@@ -273,6 +296,7 @@ def loss_scaling_multi_steps(
                 window_overflow=jnp.zeros([], jnp.bool_),
                 acc_grads=jax.tree_util.tree_map(jnp.zeros_like, acc_tree),
                 inner_state=inner_state,
+                leaf_overflow=record,
             )
 
         def accumulate(acc_tree):
@@ -282,6 +306,7 @@ def loss_scaling_multi_steps(
                 window_overflow=window_overflow,
                 acc_grads=acc_tree,
                 inner_state=state.inner_state,
+                leaf_overflow=record,
             )
 
         return transform._cond(state.mini_step >= every_k - 1, finish, accumulate, acc)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -25,6 +25,11 @@ from lossscale_jax.policies import LossScalePolicy, LossScaleState
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossScaleState))
 # Fields whose presence marks a subtree of a checkpoint as a loss-scale state.
 _MARKERS = frozenset({"scale", "growth_count", "hysteresis_count"})
+# Fields added after 0.1.0: of LossScaleState, and of the state that holds it
+# (LossScalingState, LossScalingMultiStepsState). A checkpoint without them was
+# saved by an earlier version.
+_ADDED_FIELDS = ("recent_overflow_rate",)
+_ADDED_OWNER_FIELDS = ("leaf_overflow",)
 
 
 def _state_dict(state: LossScaleState) -> dict[str, Any]:
@@ -115,7 +120,8 @@ def _check_policy(tree: Any, policy: LossScalePolicy | None) -> None:
                     "metadata tree has none: use restore_orbax(path, target, policy=policy), "
                     "which checks after reading them."
                 )
-            states.append((_fmt(prefix), serialization.from_state_dict(policy.init(), values)))
+            state = serialization.from_state_dict(policy.init(), values)
+            states.append((_fmt(prefix), cast(LossScaleState, state)))
     for where, state in states:
         if not _is_value(state.scale):
             raise TypeError(
@@ -148,7 +154,8 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
     Rule::
 
       paths, shapes and dtypes of saved's leaves == those of target's leaves
-      (a LossScaleState present in one and absent in the other is named as such)
+      (a LossScaleState present in one and absent in the other is named as such;
+       the fields an earlier version did not save are named as such)
       if policy: every saved loss-scale state is one policy holds
                  (policy.conform(state).scale == state.scale)
 
@@ -188,14 +195,28 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
             "The checkpoint holds no loss-scale state: the optimizer state expects one at "
             f"{', '.join(_fmt(p) for p in want_ls)!r} (lossscale_jax.loss_scaling), so the "
             "checkpoint was probably saved without loss scaling. Restore it into the inner "
-            "optimizer's state and wrap it: LossScalingState(loss_scale=policy.init(), "
-            "inner_state=restored)."
+            "optimizer's state and put it in a fresh state: "
+            "tx.init(params)._replace(inner_state=restored)."
         )
     if have_ls and not want_ls:
         raise ValueError(
             "The checkpoint holds a loss-scale state at "
             f"{', '.join(_fmt(p) for p in have_ls)!r} but the optimizer state has none: build "
             "the optimizer with lossscale_jax.loss_scaling(...) as when the checkpoint was saved."
+        )
+    gaps = [
+        path
+        for prefix in want_ls
+        for path in [prefix + (n,) for n in _ADDED_FIELDS]
+        + [prefix[:-1] + (n,) for n in _ADDED_OWNER_FIELDS]
+        if path in want and path not in have
+    ]
+    if gaps:
+        raise ValueError(
+            "The checkpoint was saved by an earlier version of lossscale_jax: it lacks "
+            f"{[_fmt(p) for p in gaps]} (the recent overflow rate and the per-leaf overflow "
+            "record, added in this version). Fill them in before restoring: see "
+            "docs/reliability.md, 'Checkpoints from an earlier version'."
         )
     for prefix in want_ls:
         if prefix in have_ls:
@@ -259,6 +280,7 @@ def restore_flax(
       >>> float(restored.loss_scale.scale)
       8.0
     """
+    state_dict: Any  # whatever the bytes hold; check_checkpoint compares it with target
     if isinstance(encoded, bytes | bytearray):
         state_dict = serialization.msgpack_restore(bytes(encoded))
     elif isinstance(encoded, dict):
@@ -275,7 +297,7 @@ def restore_flax(
 
 
 def restore_orbax(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     target: Any,
     *,
     checkpointer: Any = None,

@@ -206,7 +206,7 @@ class TrainState(train_state.TrainState):
         )
 
 
-class LossScaleOptimizer(nnx.Optimizer):
+class LossScaleOptimizer(nnx.Optimizer[Any]):
     """A Flax NNX ``Optimizer`` for loss-scaled training.
 
     Rule (``update(model, grads, rollback=before)``)::
@@ -258,7 +258,7 @@ class LossScaleOptimizer(nnx.Optimizer):
         **kwargs: Any,
     ):
         super().__init__(model, tx, wrt=wrt, **kwargs)
-        self.count_skipped_steps = _check_bool("count_skipped_steps", count_skipped_steps)
+        self.count_skipped_steps: bool = _check_bool("count_skipped_steps", count_skipped_steps)
         self.rollback_filter = rollback_filter
         _check_loss_scaled(nnx.as_pure(self.opt_state), "LossScaleOptimizer")
 
@@ -266,7 +266,9 @@ class LossScaleOptimizer(nnx.Optimizer):
         """The ``rollback_filter`` variables of ``model``, as pure arrays (a copy)."""
         return nnx.as_pure(nnx.state(model, self.rollback_filter, graph=self.graph))
 
-    def update(self, model: Any, grads: Any, /, *, rollback: Any = None, **kwargs: Any):
+    def update(
+        self, model: Any, grads: Any, /, *, rollback: Any = None, **kwargs: Any
+    ) -> optax.Params:
         """Applies the (scaled) gradients; on a skipped step ``step`` stays.
 
         Args:

@@ -23,7 +23,7 @@ def _parts(tx: Any) -> Any:
 
 
 def apply_gradients(
-    tx: optax.GradientTransformationExtraArgs,
+    tx: optax.GradientTransformation,
     grads: optax.Updates,
     opt_state: LossScalingState,
     params: optax.Params,
@@ -82,7 +82,7 @@ def apply_gradients(
             "opt_state must be the state of tx (a LossScalingState), "
             f"got {type(opt_state).__name__}."
         )
-    loss_scale, apply = parts.decide(grads, opt_state.loss_scale)
+    loss_scale, apply, record = parts.decide(grads, opt_state.loss_scale, opt_state.leaf_overflow)
     scale = opt_state.loss_scale.scale
 
     # ``neg_zero`` is -0.0 whenever the good branch runs, but XLA cannot know
@@ -108,4 +108,4 @@ def apply_gradients(
     new_params, inner_state = _cond(
         apply, good, skip, (grads, opt_state.inner_state, params, neg_zero)
     )
-    return new_params, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)
+    return new_params, LossScalingState(loss_scale, inner_state, record)

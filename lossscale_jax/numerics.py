@@ -15,7 +15,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 OverflowMode = Literal["ieee", "saturating", "both"]
-OVERFLOW_MODES: tuple[str, ...] = ("ieee", "saturating", "both")
+OVERFLOW_MODES: tuple[OverflowMode, ...] = ("ieee", "saturating", "both")
 
 _FLOAT16_FAMILY = (jnp.float16,)
 # The dtypes a backward pass can compute in for loss scaling: their finfo.max is
@@ -23,7 +23,7 @@ _FLOAT16_FAMILY = (jnp.float16,)
 COMPUTE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 
-def validate_overflow_mode(mode: Any) -> str:
+def validate_overflow_mode(mode: Any) -> OverflowMode:
     """Returns ``mode`` if it names an overflow check, else raises ``ValueError``."""
     if not isinstance(mode, str) or mode not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {mode!r}.")
@@ -191,6 +191,24 @@ def overflow_flags(
     for i, flag in zip(checked, flags, strict=True):
         out[i] = flag
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _leaf_vector(
+    grads: Any,
+    mode: OverflowMode = "ieee",
+    compute_dtype: Any = jnp.float16,
+) -> jax.Array:
+    """``overflow_flags(grads)`` as one ``bool`` vector, in ``tree_leaves(grads)`` order.
+
+    The same grouped reductions as ``check_overflow`` (its result is
+    ``any(vector)``); the vector is their scalar results stacked, a few bytes
+    per leaf, and nothing of a gradient's size. What ``loss_scaling`` keeps as
+    its per-leaf overflow record.
+    """
+    flags = jax.tree_util.tree_leaves(overflow_flags(grads, mode, compute_dtype))
+    if not flags:
+        return jnp.zeros([0], jnp.bool_)
+    return jnp.stack(flags)
 
 
 def check_overflow(

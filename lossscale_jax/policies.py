@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import chex
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -21,9 +22,29 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = int(np.iinfo(np.int32).max)
 _GROWTH_OVERFLOW: tuple[str, ...] = ("refuse", "clamp")
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+
+    from typing_extensions import Self
+
+    class _ChexDataclass(Mapping[str, jax.Array]):
+        """What ``chex.dataclass`` adds to a class at run time, spelled out for type checkers.
+
+        It makes the class a ``collections.abc.Mapping`` of its fields (so a state is an
+        ``optax.OptState``) with a ``replace`` method.
+        """
+
+        def replace(self, **changes: Any) -> Self: ...
+        def __getitem__(self, key: str) -> jax.Array: ...
+        def __iter__(self) -> Iterator[str]: ...
+        def __len__(self) -> int: ...
+
+else:
+    _ChexDataclass = object
+
 
 @chex.dataclass
-class LossScaleState:
+class LossScaleState(_ChexDataclass):
     """The loss scale and its counters; a pytree of fixed-dtype arrays.
 
     Attributes:
@@ -40,6 +61,10 @@ class LossScaleState:
       total_steps: int32, steps seen (saturating increment).
       overflow_steps: int32, steps that saw an overflow (saturating).
       skipped_steps: int32, steps whose update was skipped (saturating).
+      recent_overflow_rate: float32, the fraction of recent steps that saw an
+        overflow, in [0, 1]: ``overflow_steps / total_steps`` for the first
+        2000 steps, then an exponential moving average with weight 1/2000
+        (see ``metrics``).
     """
 
     scale: jax.Array
@@ -51,6 +76,14 @@ class LossScaleState:
     total_steps: jax.Array
     overflow_steps: jax.Array
     skipped_steps: jax.Array
+    recent_overflow_rate: jax.Array
+
+
+# The horizon of ``recent_overflow_rate``: the mean over all steps for the first
+# RECENT_STEPS steps, then an exponential moving average with weight 1/RECENT_STEPS.
+# DynamicScale's default growth_interval: a healthy dynamic run's probing overflow
+# (one per growth_interval steps) moves the rate by 0.05%, half the strictest guideline.
+RECENT_STEPS = 2000
 
 
 def _zeros_i32() -> jax.Array:
@@ -69,6 +102,7 @@ def initial_state(scale: ArrayLike) -> LossScaleState:
         total_steps=_zeros_i32(),
         overflow_steps=_zeros_i32(),
         skipped_steps=_zeros_i32(),
+        recent_overflow_rate=jnp.zeros([], jnp.float32),
     )
 
 
@@ -81,6 +115,28 @@ def _increment_if(flag: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(flag, _safe_increment(count), count)
 
 
+def _recent_rate(
+    rate: jax.Array, overflow: jax.Array, total_steps: jax.Array, overflow_steps: jax.Array
+) -> jax.Array:
+    """The recent overflow rate after a step; the counters include that step.
+
+    Rule (float32)::
+
+      if total_steps <= RECENT_STEPS:
+          rate = overflow_steps / total_steps        # the mean so far: overflow_rate
+      else:
+          rate = rate + (overflow - rate) / RECENT_STEPS
+
+    An exponential moving average with weight ``1 / RECENT_STEPS``, started
+    from the exact mean of the first ``RECENT_STEPS`` steps (no bias toward 0
+    in the first steps, no dependence on an initial value).
+    """
+    f32 = jnp.float32
+    mean = overflow_steps.astype(f32) / jnp.maximum(total_steps, 1).astype(f32)
+    ema = rate.astype(f32) + (overflow.astype(f32) - rate.astype(f32)) / f32(RECENT_STEPS)
+    return jnp.where(total_steps <= RECENT_STEPS, mean, ema)
+
+
 def _record(
     state: LossScaleState,
     overflow: jax.Array,
@@ -89,13 +145,16 @@ def _record(
     **changes: jax.Array,
 ) -> LossScaleState:
     """The telemetry every policy keeps, plus the policy's own field changes."""
+    total = _safe_increment(state.total_steps)
+    overflows = _increment_if(overflow, state.overflow_steps)
     return state.replace(
         last_overflow=overflow,
         last_skipped=skipped,
         stuck=stuck,
-        total_steps=_safe_increment(state.total_steps),
-        overflow_steps=_increment_if(overflow, state.overflow_steps),
+        total_steps=total,
+        overflow_steps=overflows,
         skipped_steps=_increment_if(skipped, state.skipped_steps),
+        recent_overflow_rate=_recent_rate(state.recent_overflow_rate, overflow, total, overflows),
         **changes,
     )
 

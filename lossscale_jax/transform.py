@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.typing import ArrayLike
@@ -19,21 +20,35 @@ AxisName = Hashable | Sequence[Hashable]
 # The attribute that marks the ``update`` of this library's transformations, so
 # that one cannot be wrapped in another (that would unscale twice).
 _KIND = "lossscale_jax_kind"
+_PARTS = "loss_scaling_parts"  # read by apply_gradients (fused.py) and flax_utils
 
 
 class LossScalingState(NamedTuple):
-    """State of :func:`loss_scaling`: the loss-scale state and the inner state."""
+    """State of :func:`loss_scaling`: the loss-scale state, the inner state, the overflow record.
+
+    Attributes:
+      loss_scale: the ``LossScaleState`` (scale, counters, telemetry).
+      inner_state: the state of the inner transformation.
+      leaf_overflow: ``bool[n]``, one flag per leaf of the parameters given to
+        ``init`` (in ``jax.tree_util.tree_leaves`` order): whether that leaf's
+        scaled gradient overflowed at the last step (see ``attribution`` of
+        ``loss_scaling``; ``overflowed_leaves`` names them). ``None`` when the
+        transformation keeps no record (``attribution=None``).
+    """
 
     loss_scale: LossScaleState
     inner_state: optax.OptState
+    leaf_overflow: jax.Array | None = None
 
 
 class _LossScalingParts(NamedTuple):
     """The pieces of one ``loss_scaling`` update, for the fused step.
 
     ``inner`` is the wrapped transformation (with extra-args support);
-    ``decide(scaled_grads, loss_scale) -> (loss_scale, apply)`` checks the
-    scaled gradients, reduces the flag across devices and adjusts the scale.
+    ``decide(scaled_grads, loss_scale, leaf_overflow) -> (loss_scale, apply,
+    leaf_overflow)`` checks the scaled gradients, reduces the flag (and the
+    per-leaf record, when asked) across devices, adjusts the scale and
+    returns the new record (``None`` stays ``None``).
     """
 
     inner: optax.GradientTransformationExtraArgs
@@ -52,6 +67,77 @@ def _validate_axis_name(axis_name: Any, what: str = "axis_name") -> tuple[Hashab
                 f"{what} must be a hashable name or a tuple of names, got {axis_name!r}."
             )
     return names
+
+
+ATTRIBUTIONS: tuple[str | None, ...] = ("reduced", "local", None)
+
+
+def validate_attribution(attribution: Any) -> str | None:
+    """Returns ``attribution`` if it names a per-leaf record, else raises ``ValueError``."""
+    if attribution is not None and (
+        not isinstance(attribution, str) or attribution not in ATTRIBUTIONS
+    ):
+        raise ValueError(f"attribution must be one of {ATTRIBUTIONS}, got {attribution!r}.")
+    return attribution
+
+
+def _empty_record(params: Any, attribution: str | None) -> jax.Array | None:
+    """The per-leaf overflow record of a fresh state: one ``False`` per leaf of ``params``."""
+    if attribution is None:
+        return None
+    return jnp.zeros([len(jax.tree_util.tree_leaves(params))], jnp.bool_)
+
+
+def _check_and_reduce(
+    updates: Any,
+    scale: jax.Array,
+    record: jax.Array | None,
+    mode: str,
+    compute_dtype: Any,
+    axis_name: Any,
+    attribution: str | None,
+    *,
+    window: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The overflow flag and the new per-leaf record, reduced over ``axis_name``.
+
+    Rule::
+
+      flags = overflow_flags(updates) as a vector     # the check's own per-leaf results
+      found = any(flags) or scale is not finite and > 0
+      if window (accumulation): found |= window_overflow
+                                flags  = flags if first micro-batch else record | flags
+      if attribution == "reduced":
+          found, flags = any over axis_name of (found, flags)  # one all-reduce, n+1 ints
+      else:
+          found = any over axis_name of found                 # one scalar all-reduce
+      return found, (flags if record is not None else None)
+
+    The flags come from the reductions ``check_overflow`` makes (one read of
+    each gradient, no mask); stacking them adds a few bytes per leaf.
+    """
+    flags = numerics._leaf_vector(updates, mode, compute_dtype)
+    found = jnp.logical_or(jnp.any(flags), numerics._scale_is_bad(scale))
+    if record is not None:
+        if record.shape != flags.shape:
+            raise ValueError(
+                f"the gradients have {flags.shape[0]} leaves but the optimizer state's "
+                f"per-leaf overflow record (leaf_overflow) has {record.shape[0]}: tx.init was "
+                "given parameters of another structure. Pass gradients with the structure of "
+                "the parameters given to tx.init."
+            )
+        if window is not None:
+            window_overflow, first = window
+            found = jnp.logical_or(found, window_overflow)
+            flags = jnp.where(first, flags, jnp.logical_or(record, flags))
+    elif window is not None:
+        found = jnp.logical_or(found, window[0])
+    if record is None or attribution != "reduced" or axis_name is None:
+        found = reduce_overflow(found, axis_name)
+        return found, (None if record is None else flags)
+    # One collective for the flag and the record together.
+    both = reduce_overflow(jnp.concatenate([found[None], flags]), axis_name)
+    return both[0], both[1:]
 
 
 def _validate_axes(axis_name: Any, local_axes: Any) -> tuple[tuple, tuple]:
@@ -293,15 +379,18 @@ def loss_scaling(
     axis_name: AxisName | None = None,
     on_stuck: str = "skip",
     local_axes: AxisName | None = None,
+    attribution: str | None = "reduced",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss scaling: unscale, check, adjust, skip on overflow.
 
     Rule (one ``update``)::
 
-      grads, overflow = unscale_and_check(scaled_grads, scale, params)
-      overflow = any(overflow over axis_name)          # one scalar collective
+      flags = overflow_flags(scaled_grads)             # one per leaf; one read of the grads
+      overflow = any(flags) over axis_name              # one collective
+      leaf_overflow = flags                             # (ORed over axis_name if "reduced")
       loss_scale = policy.adjust(loss_scale, overflow)
       if not loss_scale.last_skipped:                   # lax.cond, good branch first
+          grads = unscale(scaled_grads, scale, params)
           updates, inner_state = inner.update(grads, inner_state, params)
       else:
           updates, inner_state = -0.0, inner_state      # e.g. Adam's count unchanged
@@ -342,6 +431,17 @@ def loss_scaling(
         separate models). Under ``pmap``/``shard_map`` every bound axis must be
         in ``axis_name`` or ``local_axes`` (checked when the update is traced;
         see docs/data_parallel.md).
+      attribution: the per-leaf overflow record kept in the state
+        (``LossScalingState.leaf_overflow``, read by ``metrics`` and
+        ``overflowed_leaves``). The flags are the check's own per-leaf results:
+        no extra pass over the gradients. ``"reduced"`` (default): a leaf is
+        flagged if it overflowed on any device of ``axis_name``; the flags
+        travel in the flag's all-reduce (``n_leaves + 1`` int32 instead of one),
+        so every device keeps the same state. ``"local"``: each device records
+        its own leaves (the all-reduce stays scalar; the states then differ
+        between devices in this field: under ``shard_map`` return it with a
+        sharded ``out_specs``). ``None``: no record. Without ``axis_name`` the
+        first two are the same.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -380,33 +480,38 @@ def loss_scaling(
     compute_dtype = numerics.validate_compute_dtype(compute_dtype)
     reduced, local = _validate_axes(axis_name, local_axes)
     on_stuck = stuck.validate_on_stuck(on_stuck)
+    attribution = validate_attribution(attribution)
     _refuse_nested_inner(inner, "loss_scaling")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScalingState:
         inner_state = inner.init(params)
         _refuse_nested_state(inner_state, "loss_scaling")
-        return LossScalingState(loss_scale=policy.init(), inner_state=inner_state)
+        return LossScalingState(
+            loss_scale=policy.init(),
+            inner_state=inner_state,
+            leaf_overflow=_empty_record(params, attribution),
+        )
 
     def decide(
-        updates: optax.Updates, loss_scale: LossScaleState
-    ) -> tuple[LossScaleState, jax.Array]:
-        """The adjusted loss-scale state and whether to apply the update."""
+        updates: optax.Updates, loss_scale: LossScaleState, record: jax.Array | None
+    ) -> tuple[LossScaleState, jax.Array, jax.Array | None]:
+        """The adjusted loss-scale state, whether to apply the update, the new record."""
         _check_mapped_axes(updates, reduced, local, mode, "loss_scaling")
-        # One read of the scaled gradients; the unscale happens inside the
-        # conditional, fused with the inner update (no unscaled copy is
-        # written to memory).
-        found = numerics.check_overflow(updates, mode, compute_dtype)
-        # A scale that is not finite and > 0 (a corrupted state) counts as overflow.
-        found = jnp.logical_or(found, numerics._scale_is_bad(loss_scale.scale))
-        found = reduce_overflow(found, axis_name)
+        # One read of the scaled gradients (the per-leaf flags are the check's own
+        # results); the unscale happens inside the conditional, fused with the inner
+        # update (no unscaled copy is written to memory). A scale that is not finite
+        # and > 0 (a corrupted state) counts as overflow.
+        found, record = _check_and_reduce(
+            updates, loss_scale.scale, record, mode, compute_dtype, axis_name, attribution
+        )
         loss_scale = policy.adjust(loss_scale, found)
         stuck.check_stuck(loss_scale, on_stuck)
-        return loss_scale, jnp.logical_not(loss_scale.last_skipped)
+        return loss_scale, jnp.logical_not(loss_scale.last_skipped), record
 
     def update_fn(
         updates: optax.Updates,
-        state: LossScalingState,
+        state: optax.OptState,
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
@@ -415,7 +520,7 @@ def loss_scaling(
                 "state must be the LossScalingState made by this transformation's init, got "
                 f"{type(state).__name__} (an optimizer state without loss scaling?)."
             )
-        loss_scale, apply = decide(updates, state.loss_scale)
+        loss_scale, apply, record = decide(updates, state.loss_scale, state.leaf_overflow)
         scale = state.loss_scale.scale
 
         def apply_inner(operands):
@@ -431,10 +536,10 @@ def loss_scaling(
 
         # Good branch first: XLA:CPU inserts fewer copies for this order.
         new_updates, inner_state = _cond(apply, apply_inner, skip, (updates, state.inner_state))
-        return new_updates, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)
+        return new_updates, LossScalingState(loss_scale, inner_state, record)
 
     # What `lossscale_jax.apply_gradients` needs to run the same step fused.
-    update_fn.loss_scaling_parts = _LossScalingParts(inner=inner, decide=decide)
+    setattr(update_fn, _PARTS, _LossScalingParts(inner=inner, decide=decide))
     setattr(update_fn, _KIND, "loss_scaling")
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -766,16 +871,66 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
     """A flat dict of scalars for logging, computed without leaving the device.
 
-    Keys: ``loss_scale`` (float32), ``overflow``, ``skipped`` and ``stuck``
-    (bool, the last step; ``stuck``: it overflowed with the scale already at
-    its floor), ``total_steps``, ``overflow_steps``, ``skipped_steps``
-    (int32) and ``overflow_rate`` (float32, ``overflow_steps / total_steps``,
-    0 before the first step). Keep ``overflow_rate`` under 0.5%.
+    Keys:
+
+    - ``loss_scale`` (float32);
+    - ``overflow``, ``skipped``, ``stuck`` (bool, the last step; ``stuck``: it
+      overflowed with the scale already at its floor);
+    - ``total_steps``, ``overflow_steps``, ``skipped_steps`` (int32);
+    - ``overflow_rate`` (float32): ``overflow_steps / total_steps``, 0 before
+      the first step;
+    - ``recent_overflow_rate`` (float32): the fraction of recent steps that
+      overflowed (``LossScaleState.recent_overflow_rate``). For the first 2000
+      steps it is ``overflow_rate`` (the mean so far); after that an
+      exponential moving average of the overflow flag with weight 1/2000
+      (a step's weight halves in about 1400 steps), started from that mean.
+      Alert on it mid-run: keep it under 0.5% (0.1% for a large global batch);
+    - when the state keeps a per-leaf overflow record (``loss_scaling``'s
+      ``attribution``, on by default): ``overflow_leaves`` (int32, how many
+      gradient leaves overflowed at the last step) and ``first_overflow_leaf``
+      (int32, the index in ``jax.tree_util.tree_leaves(params)`` of the first
+      one, -1 if none). ``overflowed_leaves(opt_state, params)`` names them.
+
+    Under accumulation (``loss_scaling_multi_steps``) a step is a window. An
+    overflow caused by a bad scale in the state (not finite, or <= 0) flags no
+    leaf.
+
+    Rule::
+
+      rate = overflow_steps / total_steps                       # 0 before the first step
+      recent = rate if total_steps <= 2000                      # updated at each step
+               else recent + (overflow - recent) / 2000
+      overflow_leaves = sum(leaf_overflow)
+      first_overflow_leaf = argmax(leaf_overflow) if any(leaf_overflow) else -1
+
+    Args:
+      opt_state: an optimizer state holding a ``LossScaleState`` (as
+        ``get_loss_scale_state`` finds it), or a ``LossScaleState``.
+
+    Returns:
+      A dict of scalar arrays (keys above).
+
+    Raises:
+      ValueError: as ``get_loss_scale_state``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+      >>> tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=8.0))
+      >>> state = tx.init(params)
+      >>> _, state = tx.update({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf, 1.0])},
+      ...                      state, params)
+      >>> m = lsj.metrics(state)
+      >>> float(m["loss_scale"]), float(m["recent_overflow_rate"])
+      (4.0, 1.0)
+      >>> int(m["overflow_leaves"]), int(m["first_overflow_leaf"])   # leaf 1: "b"
+      (1, 1)
     """
-    s = get_loss_scale_state(opt_state)
+    s, owner = _locate(opt_state)
     total = s.total_steps.astype(jnp.float32)
     rate = jnp.where(total > 0, s.overflow_steps.astype(jnp.float32) / jnp.maximum(total, 1.0), 0.0)
-    return {
+    out = {
         "loss_scale": s.scale,
         "overflow": s.last_overflow,
         "skipped": s.last_skipped,
@@ -784,4 +939,100 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         "overflow_steps": s.overflow_steps,
         "skipped_steps": s.skipped_steps,
         "overflow_rate": rate.astype(jnp.float32),
+        "recent_overflow_rate": s.recent_overflow_rate,
     }
+    record = getattr(owner, "leaf_overflow", None)
+    if record is not None:
+        record = jnp.asarray(record, jnp.bool_)
+        count = jnp.sum(record, axis=-1, dtype=jnp.int32)
+        if record.shape[-1] == 0:
+            first = jnp.full(count.shape, -1, jnp.int32)
+        else:
+            first = jnp.where(count > 0, jnp.argmax(record, axis=-1), -1).astype(jnp.int32)
+        out["overflow_leaves"] = count
+        out["first_overflow_leaf"] = first
+    return out
+
+
+def overflowed_leaves(opt_state: Any, params: Any) -> list[str]:
+    """The key paths of the gradient leaves that overflowed at the last step (host side).
+
+    Reads the per-leaf overflow record of the state (``leaf_overflow`` of
+    ``LossScalingState`` / ``LossScalingMultiStepsState``) back to the host:
+    this synchronises with the device (it waits for the step that produced
+    the state), so call it outside ``jax.jit``, when logging, e.g. when
+    ``metrics(opt_state)["overflow"]`` is set. Inside ``jit`` use
+    ``metrics(...)["overflow_leaves"]`` and ``["first_overflow_leaf"]``.
+
+    Rule::
+
+      flags = device_get(leaf_overflow)                # one flag per leaf of params
+      return [keystr(path) for (path, _), flag in zip(leaves_with_path(params), flags)
+              if flag]
+
+    What the record holds: with ``attribution="reduced"`` (the default) the
+    leaves that overflowed on any device of ``axis_name``; with ``"local"``
+    this device's own; under ``loss_scaling_multi_steps``, those that
+    overflowed in any micro-batch of the window (of the last completed
+    window, after its last micro-batch). An overflow that comes from a bad
+    scale in the state, not from a gradient, names no leaf.
+
+    Args:
+      opt_state: an optimizer state made by ``loss_scaling`` or
+        ``loss_scaling_multi_steps`` (as ``get_loss_scale_state`` finds it).
+        Under ``jax.pmap`` pass one device's state (``tree_map(lambda x: x[i],
+        state)``).
+      params: the parameters given to ``tx.init``, or any pytree of the same
+        structure (only its key paths are read).
+
+    Returns:
+      Key paths as ``jax.tree_util.keystr`` writes them (e.g.
+      ``"['params']['Dense_0']['kernel']"``), in leaf order; empty when no leaf
+      overflowed.
+
+    Raises:
+      ValueError: as ``get_loss_scale_state``; if the state keeps no record
+        (``attribution=None``, a bare ``LossScaleState``); if ``params`` has
+        another number of leaves than the record; if the state holds one record
+        per device.
+      TypeError: when called on traced values (inside ``jit``).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}
+      >>> tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale())
+      >>> grads = {"dense": {"kernel": jnp.full((2, 2), jnp.nan), "bias": jnp.ones(2)}}
+      >>> _, state = tx.update(grads, tx.init(params), params)
+      >>> lsj.overflowed_leaves(state, params)
+      ["['dense']['kernel']"]
+    """
+    _, owner = _locate(opt_state)
+    record = getattr(owner, "leaf_overflow", None)
+    if record is None:
+        raise ValueError(
+            "opt_state keeps no per-leaf overflow record: build the optimizer with "
+            "lossscale_jax.loss_scaling(...) or loss_scaling_multi_steps(...) with "
+            "attribution='reduced' (the default) or 'local', and its state with tx.init(params)."
+        )
+    if isinstance(record, jax.core.Tracer):
+        raise TypeError(
+            "overflowed_leaves reads the per-leaf overflow record back to the host and cannot "
+            "run inside jax.jit (or another transformation): call it on the state the step "
+            "returned, or use metrics(opt_state)['overflow_leaves'] inside the step."
+        )
+    flags = np.asarray(jax.device_get(record))
+    if flags.ndim != 1:
+        raise ValueError(
+            f"opt_state holds per-leaf overflow records of shape {flags.shape}, one per device "
+            "(a state from jax.pmap): pass one device's state, e.g. "
+            "jax.tree_util.tree_map(lambda x: x[0], opt_state)."
+        )
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if len(paths) != flags.shape[0]:
+        raise ValueError(
+            f"params has {len(paths)} leaves but the optimizer state's per-leaf overflow "
+            f"record has {flags.shape[0]}: pass the parameters given to tx.init (or a pytree "
+            "of the same structure)."
+        )
+    return [path for path, flag in zip(paths, flags, strict=True) if flag]

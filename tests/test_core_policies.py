@@ -168,6 +168,7 @@ def test_state_dtypes_and_fields():
         "total_steps": jnp.int32,
         "overflow_steps": jnp.int32,
         "skipped_steps": jnp.int32,
+        "recent_overflow_rate": jnp.float32,
     }
     fields = {f.name for f in dataclasses.fields(s)}
     assert fields == set(expected)
@@ -194,6 +195,7 @@ def _distinct_state():
             total_steps=jnp.asarray(11, jnp.int32),
             overflow_steps=jnp.asarray(7, jnp.int32),
             skipped_steps=jnp.asarray(6, jnp.int32),
+            recent_overflow_rate=jnp.asarray(0.25, jnp.float32),
         )
     )
 

@@ -285,15 +285,30 @@ def test_metrics_values():
     assert float(m["loss_scale"]) == 8.0
     assert int(m["total_steps"]) == 4 and int(m["skipped_steps"]) == 1
     assert float(m["overflow_rate"]) == 0.25 and not bool(m["skipped"])
-    assert set(m) == {
-        "loss_scale",
-        "overflow",
-        "skipped",
-        "stuck",
-        "total_steps",
-        "overflow_steps",
-        "skipped_steps",
-        "overflow_rate",
+    # Fewer than 2000 steps: the recent rate is the mean so far (1 overflow in 4 steps).
+    assert float(m["recent_overflow_rate"]) == 0.25
+    # The last step was good: no leaf overflowed.
+    assert int(m["overflow_leaves"]) == 0 and int(m["first_overflow_leaf"]) == -1
+    dtypes = {
+        "loss_scale": jnp.float32,
+        "overflow": jnp.bool_,
+        "skipped": jnp.bool_,
+        "stuck": jnp.bool_,
+        "total_steps": jnp.int32,
+        "overflow_steps": jnp.int32,
+        "skipped_steps": jnp.int32,
+        "overflow_rate": jnp.float32,
+        "recent_overflow_rate": jnp.float32,
+        "overflow_leaves": jnp.int32,
+        "first_overflow_leaf": jnp.int32,
+    }
+    assert set(m) == set(dtypes)
+    for k, v in m.items():
+        assert v.dtype == dtypes[k] and v.shape == (), k
+    # A bare LossScaleState (no transformation, no record): the attribution keys are absent.
+    assert set(lsj.metrics(state.loss_scale)) == set(dtypes) - {
+        "overflow_leaves",
+        "first_overflow_leaf",
     }
 
 

@@ -93,7 +93,7 @@ def replicate(tree, n: int = N):
 # The step under test: local scaled gradients in, every device's state out.
 
 
-def make_tx(policy, mode="ieee", average="after", axis_name=AXIS):
+def make_tx(policy, mode="ieee", average="after", axis_name=AXIS, attribution="reduced"):
     """Adam wrapped in loss scaling; ``average`` says where the gradient mean happens.
 
     ``"before"``: the user averages the scaled gradients, then calls ``tx.update``.
@@ -104,7 +104,9 @@ def make_tx(policy, mode="ieee", average="after", axis_name=AXIS):
     if average == "after":
         mean_axes = axis_name if axis_name is not None else AXIS
         inner = optax.chain(optax.stateless(lambda g, p: lax.pmean(g, mean_axes)), inner)
-    return lsj.loss_scaling(inner, policy, overflow=mode, axis_name=axis_name)
+    return lsj.loss_scaling(
+        inner, policy, overflow=mode, axis_name=axis_name, attribution=attribution
+    )
 
 
 def update_step(tx, average, mean_axes=AXIS):
@@ -513,7 +515,7 @@ def test_random_injections_200_steps_bit_identical():
 
 
 # --------------------------------------------------------------------------
-# The cost: one scalar all-reduce.
+# The cost: one all-reduce (the flag, and the per-leaf record when it is reduced).
 
 # "%name = SHAPE all-reduce(" where SHAPE is "f32[4,2]{1,0}" or a tuple "(f32[2]{0}, s32[])".
 ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(")
@@ -528,12 +530,17 @@ def all_reduce_shapes(hlo_text: str) -> list[str]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("mapper,average", [("pmap", "before"), ("shard_map", "after")])
-def test_one_extra_scalar_all_reduce(mapper, average):
+@pytest.mark.parametrize(
+    "mapper,average,attribution",
+    [("pmap", "before", "reduced"), ("shard_map", "after", "reduced"), ("pmap", "before", "local")],
+)
+def test_one_extra_all_reduce(mapper, average, attribution):
+    """One all-reduce more than the plain step: the flag alone (s32[]) with a local per-leaf
+    record; the flag and the record together (s32[n_leaves + 1]) with a reduced one."""
     x, y = make_data(1, seed=3)
     xs, ys = per_device(x)[:, 0], per_device(y)[:, 0]
     policy = lsj.DynamicScale()
-    scaled_tx = make_tx(policy, "saturating", average)
+    scaled_tx = make_tx(policy, "saturating", average, attribution=attribution)
     plain_tx = optax.adam(LR)
     if average == "after":
         plain_tx = optax.chain(optax.stateless(lambda g, p: lax.pmean(g, AXIS)), plain_tx)
@@ -582,7 +589,11 @@ def test_one_extra_scalar_all_reduce(mapper, average):
     for s in plain:
         extra.remove(s)  # raises if the scaled step lost one of the plain all-reduces
     assert len(extra) == 1, (plain, scaled)
-    assert re.fullmatch(r"[a-z]+\d*\[\]", extra[0]), extra  # one scalar operand
+    if attribution == "local":
+        assert re.fullmatch(r"[a-z]+\d*\[\]", extra[0]), extra  # one scalar operand
+    else:
+        n_leaves = len(jax.tree_util.tree_leaves(PARAMS))
+        assert extra[0] == f"s32[{n_leaves + 1}]", extra
 
 
 # --------------------------------------------------------------------------

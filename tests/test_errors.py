@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pathlib
 import re
+import sys
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,30 @@ PARAMS = {"w": jnp.ones(3, jnp.float32)}
 TX = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale())
 STATE = TX.init(PARAMS)
 G16 = {"w": jnp.ones(3, jnp.float16)}
+
+
+def loss16(params, x):
+    """A float16 loss (float32 weights) for diagnose's cases."""
+    return jnp.sum((x @ params["w"].astype(jnp.float16)).astype(jnp.float32))
+
+
+X16 = jnp.ones((1, 3), jnp.float16)
+
+
+def diagnose(loss_fn=loss16, params=PARAMS, batches=(X16,), **kw):
+    return lsj.diagnose(loss_fn, params, batches, print_table=False, **kw)
+
+
+def bitcast_loss(params, x):
+    w = params["w"].astype(jnp.float16)
+    bits = jax.lax.bitcast_convert_type(w, jnp.int16)
+    return jnp.sum(w.astype(jnp.float32)) + jnp.sum(bits).astype(jnp.float32) * 0.0
+
+
+def plot_without_matplotlib():
+    report = diagnose(scales=[1.0])
+    with mock.patch.dict(sys.modules, {"matplotlib": None, "matplotlib.figure": None}):
+        report.plot()
 
 
 def two_loss_scalings():
@@ -511,6 +537,86 @@ CASES += [
         lambda: compat.keras.LossScaleOptimizer(optax.sgd(0.1), foo=1),
         ValueError,
         "LossScaleOptimizer does not support arguments: `foo`",
+    ),
+    (
+        "diagnose fn",
+        lambda: diagnose("model"),
+        TypeError,
+        "loss_fn must be a function of (params, batch)",
+    ),
+    (
+        "diagnose reference",
+        lambda: diagnose(reference_fn=1.0),
+        TypeError,
+        "reference_fn must be a function of (params, batch)",
+    ),
+    (
+        "diagnose no batch",
+        lambda: diagnose(batches=[]),
+        ValueError,
+        "batches must hold at least one batch, got none.",
+    ),
+    (
+        "diagnose scale",
+        lambda: diagnose(scale=0.0),
+        ValueError,
+        "scale must be a finite number > 0, got 0.0.",
+    ),
+    (
+        "diagnose scales empty",
+        lambda: diagnose(scales=[]),
+        ValueError,
+        "scales must be a non-empty 1-d sequence of numbers",
+    ),
+    (
+        "diagnose scales negative",
+        lambda: diagnose(scales=[1.0, -2.0]),
+        ValueError,
+        "scales must be finite numbers > 0",
+    ),
+    (
+        "diagnose scales big",
+        lambda: diagnose(scales=[1e39]),
+        ValueError,
+        "scales must fit in float32",
+    ),
+    (
+        "diagnose tolerance",
+        lambda: diagnose(tolerance=1.5),
+        ValueError,
+        "tolerance must be a fraction in [0, 1)",
+    ),
+    (
+        "diagnose per-example loss",
+        lambda: diagnose(lambda p, x: jnp.ones(4) * jnp.sum(loss16(p, x))),
+        ValueError,
+        "loss_fn(params, batch) must return a scalar loss, got (4,).",
+    ),
+    (
+        "diagnose float32 loss",
+        lambda: diagnose(lambda p, x: jnp.sum(x.astype(jnp.float32) @ p["w"])),
+        ValueError,
+        "loss_fn(params, batch) computes nothing in float16 with these params",
+    ),
+    (
+        "diagnose integer params",
+        lambda: diagnose(params={"i": jnp.ones(3, jnp.int32)}),
+        TypeError,
+        "params has no floating leaf: there is no gradient to diagnose.",
+    ),
+    (
+        "diagnose bitcast",
+        lambda: diagnose(bitcast_loss),
+        ValueError,
+        "diagnose cannot evaluate loss_fn in float32: its program uses the primitive "
+        "'bitcast_convert_type'",
+    ),
+    (
+        "plot without matplotlib",
+        plot_without_matplotlib,
+        ImportError,
+        "Diagnosis.plot needs matplotlib, an optional dependency: pip install "
+        "'lossscale_jax[plot]'",
     ),
     (
         "multi_optimizer list",

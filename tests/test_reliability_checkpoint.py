@@ -117,7 +117,9 @@ def test_flax_state_dict_round_trip_keeps_dtypes():
         "total_steps",
         "overflow_steps",
         "skipped_steps",
+        "recent_overflow_rate",
     }
+    assert sd["leaf_overflow"].dtype == np.bool_ and sd["leaf_overflow"].shape == (2,)
     back = lsj.restore_flax(state, sd)
     assert isinstance(back.loss_scale, lsj.LossScaleState)
     assert back.loss_scale.scale.dtype == np.float32
@@ -135,7 +137,7 @@ def test_checkpoint_without_loss_scaling_is_named(tmp_path):
         lsj.restore_flax(target, serialization.to_bytes(plain))
     # The way out the message gives works: restore the inner state, wrap it.
     inner = ocp.StandardCheckpointer().restore(tmp_path / "plain", target.inner_state)
-    migrated = lsj.LossScalingState(loss_scale=POLICY.init(), inner_state=inner)
+    migrated = target._replace(inner_state=inner)
     assert_bit_identical(migrated.inner_state, plain)
 
 

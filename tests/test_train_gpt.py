@@ -214,3 +214,32 @@ def test_bad_flags_are_rejected():
     for argv in (["--steps", "0"], ["--seeds", "0"], ["--probe-every", "0"], ["--steps", "10"]):
         with pytest.raises(SystemExit):
             ex.parse_args(argv)
+
+
+def test_quick_prints_and_saves_the_diagnosis(job):
+    """The diagnosis before training: printed, saved as text and picture, and in agreement
+    with the job's own underflow probe of its first step."""
+    ex, out, result = job
+    d = result["diagnosis"]
+    assert (out / "gpt_diagnosis.txt").read_text() == d.table() + "\n"
+    png = (out / "gpt_diagnosis.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    assert d.verdict.startswith("scale needed") and d.num_batches == 1
+    # The query-key-value bias holds the key bias, whose gradient is 0 in exact arithmetic and
+    # float32 rounding noise (about 1e-16) in the reference: it is not float16's loss. Counted
+    # as nonzero, it made this leaf "underflows at every safe scale: keep it in float32".
+    assert "keep" not in d.verdict
+    assert {leaf.verdict for leaf in d.leaves} == {"scale needed", "float16 needs no scaling here"}
+    # The job's probe at step 0 (fp16 unscaled, update_2^19, seed 0: the same weights and
+    # batch) counts entries zero in float16 and nonzero in float32, with code of its own.
+    # It counts the float32 rounding noise diagnose leaves out (the key biases' gradients,
+    # 2 x 64 of about 75,000 entries), hence the margin.
+    rows = result["job"]["rows"]
+    i = next(k for k, (s, seed) in enumerate(rows) if s.name == "update_2^19" and seed == 0)
+    h = result["job"]["results"]["fp16"]["history"][i]
+    probe = h["lost"][0] / h["nonzero"][0]
+    unscaled = d.underflow[list(d.scales).index(1.0)]
+    assert unscaled > 0.05 and abs(unscaled - probe) < 0.003
+    # The scales the job trains with lose nothing that can be kept and overflow nothing.
+    lo, hi = d.init_scale_range
+    assert lo <= ex.STATIC_SCALE <= hi and lo <= ex.DYNAMIC.init_scale <= hi

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +16,8 @@ from lossscale_jax.policies import LossScalePolicy, LossScaleState
 _TINY = float(np.finfo(np.float32).tiny)  # 2**-126, smallest normal float32
 _F32_MAX = float(np.finfo(np.float32).max)
 _INF = float("inf")
+
+_Policy = TypeVar("_Policy", bound=LossScalePolicy)
 
 
 def _number(name: str, value: Any) -> float:
@@ -43,7 +45,7 @@ def _bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def _build(cls: type, names: dict[str, str], **kwargs: Any) -> LossScalePolicy:
+def _build(cls: type[_Policy], names: dict[str, str], **kwargs: Any) -> _Policy:
     """``cls(**kwargs)``, with errors worded in the original's argument names."""
     try:
         return cls(**kwargs)
@@ -162,9 +164,10 @@ def _require_policy(policy: Any, expected: LossScalePolicy, framework: str, buil
             f"policy {policy!r} has no {framework} equivalent: export needs a policy built by "
             f"{builder} (a {type(expected).__name__})."
         )
+    # The type check above makes `policy` a dataclass like `expected`; the checker cannot see it.
     diff = [
         f"{f.name}={getattr(policy, f.name)!r} (the original needs {getattr(expected, f.name)!r})"
-        for f in dataclasses.fields(policy)
+        for f in dataclasses.fields(policy)  # pyright: ignore[reportArgumentType]
         if f.name != "init_scale" and getattr(policy, f.name) != getattr(expected, f.name)
     ]
     if diff:

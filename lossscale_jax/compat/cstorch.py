@@ -15,6 +15,7 @@ from lossscale_jax.compat._common import (
     _int,
     _number,
 )
+from lossscale_jax.numerics import OverflowMode
 from lossscale_jax.policies import LossScalePolicy, StaticScale, TolerantDynamicScale
 from lossscale_jax.transform import AxisName, loss_scaling
 
@@ -146,7 +147,7 @@ def optimizer_step(
     max_gradient_norm: float | None = None,
     max_gradient_value: float | None = None,
     *,
-    overflow: str = "ieee",
+    overflow: OverflowMode = "ieee",
     axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Cerebras's ``optimizer_step``: unscale, clip, skip non-finite steps, update the scale.

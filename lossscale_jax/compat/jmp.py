@@ -68,7 +68,7 @@ def DynamicLossScale(
     loss_scale: Any,
     counter: Any = 0,
     period: int = 2000,
-    factor: int = 2,
+    factor: float = 2,
     min_loss_scale: Any = 1.0,
 ) -> policies.DynamicScale:
     """jmp's ``DynamicLossScale``, with jmp's positional order.

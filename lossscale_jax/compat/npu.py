@@ -29,6 +29,7 @@ from lossscale_jax.compat._common import (
     _int,
     _number,
 )
+from lossscale_jax.numerics import OverflowMode
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, StaticScale
 from lossscale_jax.transform import AxisName, loss_scaling
 
@@ -160,7 +161,7 @@ def NPULossScaleOptimizer(
     is_distributed: bool = False,
     *,
     axis_name: AxisName | None = None,
-    overflow: str = "both",
+    overflow: OverflowMode = "both",
 ) -> optax.GradientTransformationExtraArgs:
     """``opt`` with the manager's loss scaling and the NPU's saturating overflow check.
 
