@@ -216,8 +216,16 @@ def _lsj_scale_of(state):
     return float(m["loss_scale"]), int(m["skipped_steps"])
 
 
-def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None):
-    tx = lsj.loss_scaling(optax.adam(LR), lsj.DynamicScale(init_scale=INIT_SCALE), overflow=mode)
+def _headroom_pinned() -> lsj.LossScalePolicy:
+    """``HeadroomScale`` held at ``INIT_SCALE`` (min = max): the whole rule runs (the range in
+    the check, the packed reduction, the target) and the scale stays put, so the timed steps
+    are comparable with the others."""
+    return lsj.HeadroomScale(init_scale=INIT_SCALE, min_scale=INIT_SCALE, max_scale=INIT_SCALE)
+
+
+def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None, policy=None):
+    policy = lsj.DynamicScale(init_scale=INIT_SCALE) if policy is None else policy()
+    tx = lsj.loss_scaling(optax.adam(LR), policy, overflow=mode)
 
     def post(params, state, grads):
         if step is not None:
@@ -478,6 +486,15 @@ PROTOTYPES: dict[str, tuple[str, dict[str, Any]]] = {
     "proto_optax_noevalshape": (
         "grouped",
         {"fused": False, "mode": "ieee", "step": optax_path_without_eval_shape},
+    ),
+    # HeadroomScale (the range measured in the check's reductions), not in the default run.
+    "lsj_fused_headroom_ieee": (
+        "grouped",
+        {"fused": True, "mode": "ieee", "policy": _headroom_pinned},
+    ),
+    "lsj_optax_headroom_ieee": (
+        "grouped",
+        {"fused": False, "mode": "ieee", "policy": _headroom_pinned},
     ),
 }
 

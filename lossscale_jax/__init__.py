@@ -9,6 +9,7 @@ from lossscale_jax.fused import apply_gradients
 from lossscale_jax.numerics import check_overflow, unscale, unscale_and_check
 from lossscale_jax.policies import (
     DynamicScale,
+    HeadroomScale,
     LossScalePolicy,
     LossScaleState,
     NoScale,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Diagnosis",
     "DynamicScale",
+    "HeadroomScale",
     "LeafDiagnosis",
     "LossScaleOptimizer",
     "LossScalePolicy",
