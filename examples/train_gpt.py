@@ -150,7 +150,7 @@ DYNAMIC = lsj.DynamicScale(
 
 # Headroom: the policy's defaults (init_scale 2**15, one octave of margin, a held peak that
 # falls an octave per 100 steps), uncapped like the dynamic scale. Its first good step jumps to
-# the measured target (2**16-2**17 in mean, 2**25-2**26 in update_2^19), so init_scale matters
+# the measured target (2**15-2**16 in mean, 2**24-2**25 in update_2^19), so init_scale matters
 # for one step only: 2**19 would overflow the first step of every mean row (blind, nothing
 # measured yet) and cost one skipped step each, the same as the dynamic scale's first step.
 HEADROOM = lsj.HeadroomScale(max_scale=math.inf)

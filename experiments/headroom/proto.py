@@ -32,7 +32,8 @@ F16_MAX = float(jnp.finfo(jnp.float16).max)
 class ProtoState(LossScaleState):
     amax: jax.Array  # float32: max|scaled g| / (scale * F16_MAX) of the step being adjusted
     peak: jax.Array  # float32: the held peak of amax
-    margin: jax.Array  # int32: octaves kept below the headroom
+    # margin (int32, octaves kept below the headroom): LossScaleState's own field since the
+    # library has HeadroomScale; this prototype predates it and keeps its peak separately.
 
 
 def _target(peak: jax.Array, margin: jax.Array) -> jax.Array:
@@ -56,8 +57,7 @@ class HeadroomProto(LossScalePolicy):
             **{k: getattr(s, k) for k in s.keys()},
             amax=jnp.zeros([], jnp.float32),
             peak=jnp.zeros([], jnp.float32),
-            margin=jnp.asarray(self.h.min_margin, jnp.int32),
-        )
+        ).replace(margin=jnp.asarray(self.h.min_margin, jnp.int32))
 
     def adjust(self, state: ProtoState, overflow) -> ProtoState:
         h = self.h

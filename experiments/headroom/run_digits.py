@@ -39,14 +39,21 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--margin", type=int, default=1)
     p.add_argument("--window", type=float, default=100.0)
+    p.add_argument(
+        "--library", action="store_true", help="lossscale_jax.HeadroomScale, not the prototype"
+    )
     a, rest = p.parse_known_args(argv)
-    h = model.Headroom(init_scale=2.0**15, min_margin=a.margin, window=a.window)
+    if a.library:
+        policy = lsj.HeadroomScale(min_margin=a.margin, window=int(a.window))
+    else:
+        h = model.Headroom(init_scale=2.0**15, min_margin=a.margin, window=a.window)
+        policy = proto.HeadroomProto(h)
+        digits.train_step = train_step
     digits.CONFIGS = {
         "fp32": digits.CONFIGS["fp32"],
         "fp16, dynamic": digits.CONFIGS["fp16, dynamic"],
-        "fp16, headroom": (digits.F16, proto.HeadroomProto(h)),
+        "fp16, headroom": (digits.F16, policy),
     }
-    digits.train_step = train_step
     digits.main(rest + ["--no-progress"])
 
 
