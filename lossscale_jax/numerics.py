@@ -306,9 +306,9 @@ def check_overflow_and_range(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from lossscale_jax import numerics
+      >>> import lossscale_jax as lsj
       >>> g = {"w": jnp.array([1.0, -300.0], jnp.float16), "b": jnp.array([2.0], jnp.float16)}
-      >>> overflow, amax = numerics.check_overflow_and_range(g)
+      >>> overflow, amax = lsj.check_overflow_and_range(g)
       >>> bool(overflow), float(amax)
       (False, 300.0)
     """

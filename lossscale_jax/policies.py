@@ -910,7 +910,7 @@ class HeadroomScale(LossScalePolicy):
                 "HeadroomScale.adjust needs amax=, the step's max |scaled gradient| / (scale * "
                 "finfo(compute_dtype).max) measured by the overflow check: loss_scaling and "
                 "loss_scaling_multi_steps pass it; a hand-written step can take it from "
-                "lossscale_jax.numerics.check_overflow_and_range."
+                "lossscale_jax.check_overflow_and_range."
             )
         overflow = _as_overflow(overflow)
         amax = jnp.asarray(amax)
