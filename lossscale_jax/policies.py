@@ -66,9 +66,9 @@ class LossScaleState(_ChexDataclass):
         2000 steps, then an exponential moving average with weight 1/2000
         (see ``metrics``).
       range_peak: float32, ``HeadroomScale``'s held peak of the gradients'
-        range (the largest |scaled gradient| divided by ``scale`` and by
-        ``finfo(compute_dtype).max``); 0 when nothing was measured. Other
-        policies keep 0.
+        range (the largest magnitude of the scaled gradients divided by
+        ``scale`` and by ``finfo(compute_dtype).max``); 0 when nothing was
+        measured. Other policies keep 0.
       margin: int32, the octaves ``HeadroomScale`` keeps between the scale and
         the headroom the gradients show. Other policies keep 0.
     """
@@ -755,8 +755,8 @@ def _pow2_target(peak: jax.Array, margin: jax.Array) -> jax.Array:
 class HeadroomScale(LossScalePolicy):
     """A loss scale set from the gradients' own range: grows without overflowing to probe.
 
-    The overflow check also measures ``amax``, the largest |scaled gradient|
-    over every parameter gradient, in the same pass (and, under
+    The overflow check also measures ``amax``, the largest magnitude of the
+    scaled gradients over every parameter, in the same pass (and, under
     ``axis_name``, in the same collective as the flag). Divided by the scale
     and by ``finfo(compute_dtype).max`` (65504 for float16), it is the fraction
     of the compute dtype's range the gradients would fill at scale 1, so
