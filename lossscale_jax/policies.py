@@ -764,10 +764,11 @@ class HeadroomScale(LossScalePolicy):
     held peak of it and sets the scale a power of two (the unscale stays
     exact) ``margin`` octaves below that room. An overflow (intermediate
     activation gradients can overflow before any parameter gradient does)
-    still skips the step, widens the margin by an octave and enters the peak
-    as ``1 / scale`` (the range that batch needed at least), so the scale
-    comes back to the overflowing one only as that peak decays; a long run of
-    good steps gives the octave of margin back. It never raises the scale to
+    still skips the step and widens the margin by an octave; a long run of
+    good steps gives the octave back. Once the margin is at ``max_margin``, an
+    overflow enters ``1 / scale`` into the peak instead (the range that batch
+    needed at least), so the scale comes back to the overflowing one only as
+    that peak decays, never at once. It never raises the scale to
     find out whether a larger one is safe, so a run at its ceiling does not
     skip a step every ``growth_interval`` as ``DynamicScale`` does. Where the
     parameter gradients say nothing about the ceiling (a float16 loss, whose
@@ -782,8 +783,10 @@ class HeadroomScale(LossScalePolicy):
           if range_peak == 0:                    # nothing measured yet
               scale = scale * blind_backoff
           else:                                  # the measured room was not enough
-              margin = min(margin + 1, max_margin)
-              range_peak = max(range_peak, 1 / scale)  # this batch filled the range at scale
+              if margin < max_margin:
+                  margin += 1
+              else:                              # the margin is spent: remember the overflow
+                  range_peak = max(range_peak, 1 / scale)   # (that batch filled the range)
               scale = min(scale / 2, target(range_peak, margin))
       else:
           range_peak = max(amax, range_peak * 2 ** (-1 / window))   # held peak
@@ -829,8 +832,8 @@ class HeadroomScale(LossScalePolicy):
       >>> s = policy.adjust(s, False, amax=jnp.float32(2.0**-20))  # room for 2**20
       >>> float(s.scale) == 2.0**19                               # one octave of margin
       True
-      >>> s = policy.adjust(s, True, amax=jnp.float32(jnp.inf))   # overflow at 2**19: skip,
-      >>> float(s.scale) == 2.0**17, int(s.margin), bool(s.last_skipped)  # widen, 2**(19-2)
+      >>> s = policy.adjust(s, True, amax=jnp.float32(jnp.inf))   # overflow: skip, widen
+      >>> float(s.scale) == 2.0**18, int(s.margin), bool(s.last_skipped)
       (True, 2, True)
 
     References:
@@ -927,9 +930,11 @@ class HeadroomScale(LossScalePolicy):
 
         # Overflow branch.
         blind = peak == 0
+        spent = margin >= self.max_margin
         widened = jnp.minimum(margin + 1, self.max_margin).astype(i32)
         margin_bad = jnp.where(blind, margin, widened)
-        peak_bad = jnp.where(blind, peak, jnp.maximum(peak, f32(1.0) / scale))
+        remember = jnp.logical_and(jnp.logical_not(blind), spent)
+        peak_bad = jnp.where(remember, jnp.maximum(peak, f32(1.0) / scale), peak)
         informed = jnp.minimum(scale * f32(0.5), _pow2_target(peak_bad, margin_bad))
         scale_bad = jnp.where(blind, scale * f32(self.blind_backoff), informed)
 

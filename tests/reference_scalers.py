@@ -472,8 +472,10 @@ class ReferenceHeadroom:
             if self.peak == 0:
                 new = f32(self.scale * F32(p.blind_backoff))
             else:
-                self.margin = min(self.margin + 1, p.max_margin)
-                self.peak = max(self.peak, F32(F32(1.0) / self.scale))
+                if self.margin < p.max_margin:
+                    self.margin += 1
+                else:
+                    self.peak = max(self.peak, F32(F32(1.0) / self.scale))
                 new = min(F32(self.scale * F32(0.5)), self.target(self.peak, self.margin))
         else:
             self.peak = max(amax, F32(self.peak * F32(2.0 ** (-1.0 / p.window))))

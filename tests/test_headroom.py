@@ -97,21 +97,29 @@ def test_rule_matches_the_numpy_model(scanned, name, over, exps, zeros):
 
 def test_worked_example_from_the_docstring():
     # Hand-derived: room for 2**20 at scale 1, one octave of margin -> 2**19; an overflow
-    # at 2**19 widens the margin to 2 and enters 2**-19 into the peak: 2**(19 - 2) = 2**17;
-    # good steps at the same range (2**-20 < the decaying peak, window 1000: 1 / peak just
-    # above 2**19) keep it there until margin_interval of them give the octave back -> 2**18.
+    # at 2**19 widens the margin to 2: 2**(20 - 2) = 2**18 (the peak is the measured one);
+    # after margin_interval good steps at the same range the octave comes back -> 2**19.
     p = lsj.HeadroomScale(init_scale=2.0**10, margin_interval=3, window=1000)
     a = jnp.float32(2.0**-20)
     s = p.adjust(p.init(), False, amax=a)
     assert float(s.scale) == 2.0**19 and int(s.margin) == 1
     s = p.adjust(s, True, amax=jnp.float32(jnp.inf))
-    assert float(s.scale) == 2.0**17 and int(s.margin) == 2 and bool(s.last_skipped)
-    assert float(s.range_peak) == 2.0**-19
+    assert float(s.scale) == 2.0**18 and int(s.margin) == 2 and bool(s.last_skipped)
+    assert float(s.range_peak) == 2.0**-20
     for _ in range(2):
         s = p.adjust(s, False, amax=a)
-        assert float(s.scale) == 2.0**17
+        assert float(s.scale) == 2.0**18
     s = p.adjust(s, False, amax=a)
-    assert float(s.scale) == 2.0**18 and int(s.margin) == 1
+    assert float(s.scale) == 2.0**19 and int(s.margin) == 1
+    # With the margin spent (max_margin), an overflow enters 1 / scale into the peak: the
+    # scale cannot jump back to the one that overflowed at the next good step.
+    q = lsj.HeadroomScale(init_scale=2.0**10, max_margin=1, window=1000)
+    t = q.adjust(q.init(), False, amax=a)  # 2**19
+    t = q.adjust(t, True, amax=jnp.float32(jnp.inf))
+    assert float(t.range_peak) == 2.0**-19 and int(t.margin) == 1
+    assert float(t.scale) == 2.0**18
+    t = q.adjust(t, False, amax=a)  # peak 2**-19 decayed a little: 1 / peak just above 2**19
+    assert float(t.scale) == 2.0**18
     # A blind overflow (nothing measured yet) backs off by blind_backoff, margin unchanged.
     b = p.adjust(p.init(), True, amax=jnp.float32(jnp.inf))
     assert float(b.scale) == 2.0**2 and int(b.margin) == 1

@@ -6,8 +6,8 @@
    backward stays finite), both as in ``measure_ceiling.py``. Its loss is float16, so the
    cotangent of the loss *is* the scale: 2**16 overflows whatever the gradients.
 2. ``replay``: the rule (``model.py``) for 10,000 steps against a fixed ceiling 2**15 with the
-   room ``gap`` octaves above it (noise 0.5 octave), with and without entering ``1 / scale`` into
-   the peak on an overflow (``bump``).
+   room ``gap`` octaves above it (noise 0.5 octave), entering ``1 / scale`` into the peak on an
+   overflow never, always, or once the margin is spent (``bump``; the rule).
 
 Run: ``python experiments/headroom/blind_spot.py``
 """
@@ -66,7 +66,7 @@ def measure(steps: int = 3001) -> None:
 
 def replay(steps: int = 10_000) -> None:
     rng = np.random.default_rng(0)
-    for bump in (False, True):
+    for bump in ("never", "always", "spent"):
         for gap in (2, 5, 8, 10):
             h = model.Headroom(bump=bump, max_scale=math.inf)
             s, over = h.init(), 0

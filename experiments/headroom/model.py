@@ -18,8 +18,10 @@ Rule (one step; ``overflow`` and ``amax`` already reduced across devices)::
       if peak == 0:                        # nothing measured yet: init_scale was a guess
           scale = scale * blind_backoff
       else:                                # the measured headroom was not enough
-          margin = min(margin + 1, max_margin)
-          peak = max(peak, 1 / scale)      # this batch filled the range at `scale`
+          if margin < max_margin:
+              margin += 1
+          else:                            # the margin is spent: remember the overflow
+              peak = max(peak, 1 / scale)  # (that batch filled the range at `scale`)
           scale = min(scale / 2, target(peak, margin))
   else:
       peak = max(amax, peak * decay)       # held peak, decay = 2 ** (-1 / window)
@@ -57,7 +59,9 @@ class Headroom:
     min_scale: float = 1.0
     max_scale: float = 2.0**24
     grow_margin: bool = True  # margin += 1 after an informed overflow
-    bump: bool = True  # peak = max(peak, 1 / scale) after an informed overflow
+    # peak = max(peak, 1 / scale) after an informed overflow: "spent" (once the margin is at
+    # max_margin; the rule), "always", or "never"
+    bump: str = "spent"
 
     @property
     def decay(self) -> np.float32:
@@ -90,9 +94,10 @@ def step(h: Headroom, s: dict, overflow: bool, amax: float) -> dict:
         if peak == 0:
             new = f32(scale * f32(h.blind_backoff))
         else:
+            spent = margin >= h.max_margin or not h.grow_margin
             if h.grow_margin:
                 margin = min(margin + 1, h.max_margin)
-            if h.bump:
+            if h.bump == "always" or (h.bump == "spent" and spent):
                 peak = max(peak, f32(f32(1.0) / scale))
             new = min(f32(scale * f32(0.5)), target(peak, margin))
     else:

@@ -70,11 +70,16 @@ class HeadroomProto(LossScalePolicy):
         blind = peak == 0
         grown = jnp.minimum(margin + 1, h.max_margin) if h.grow_margin else margin
         margin_bad = jnp.where(blind, margin, grown)
-        bumped_peak = jnp.maximum(peak, f32(1.0) / scale) if h.bump else peak
-        informed = jnp.minimum(scale * f32(0.5), _target(bumped_peak, margin_bad))
+        spent = margin >= h.max_margin if h.grow_margin else jnp.ones([], jnp.bool_)
+        bump = {
+            "always": jnp.ones([], jnp.bool_),
+            "spent": spent,
+            "never": jnp.zeros([], jnp.bool_),
+        }
+        remember = jnp.logical_and(jnp.logical_not(blind), bump[h.bump])
+        peak_bad = jnp.where(remember, jnp.maximum(peak, f32(1.0) / scale), peak)
+        informed = jnp.minimum(scale * f32(0.5), _target(peak_bad, margin_bad))
         scale_bad = jnp.where(blind, scale * f32(h.blind_backoff), informed)
-        bumped = jnp.maximum(peak, f32(1.0) / scale) if h.bump else peak
-        peak_bad = jnp.where(blind, peak, bumped)
 
         # Good branch.
         peak_good = jnp.maximum(state.amax, peak * f32(h.decay))
