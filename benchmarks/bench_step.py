@@ -29,6 +29,8 @@ Variants:
   optax_if_finite  optax.apply_if_finite(adam) with a static scale
   proto_*          (not in the default run) the lossscale_jax steps with another overflow
                    check or step structure, to choose formulations: see PROTOTYPES
+  lsj_*_headroom_ieee  (not in the default run) the lossscale_jax steps with HeadroomScale
+                   held at the benchmark's scale (the whole rule runs, the scale stays put)
 
 Workloads, layouts, gradient patterns, steps:
   mlp_20m   4 dense layers, 18.9M params, 8 leaves;  deep_300: 150 residual layers of
