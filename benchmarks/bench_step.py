@@ -29,6 +29,8 @@ Variants:
   optax_if_finite  optax.apply_if_finite(adam) with a static scale
   proto_*          (not in the default run) the lossscale_jax steps with another overflow
                    check or step structure, to choose formulations: see PROTOTYPES
+  lsj_*_headroom_ieee  (not in the default run) the lossscale_jax steps with HeadroomScale
+                   held at the benchmark's scale (the whole rule runs, the scale stays put)
 
 Workloads, layouts, gradient patterns, steps:
   mlp_20m   4 dense layers, 18.9M params, 8 leaves;  deep_300: 150 residual layers of
@@ -216,8 +218,16 @@ def _lsj_scale_of(state):
     return float(m["loss_scale"]), int(m["skipped_steps"])
 
 
-def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None):
-    tx = lsj.loss_scaling(optax.adam(LR), lsj.DynamicScale(init_scale=INIT_SCALE), overflow=mode)
+def _headroom_pinned() -> lsj.LossScalePolicy:
+    """``HeadroomScale`` held at ``INIT_SCALE`` (min = max): the whole rule runs (the range in
+    the check, the packed reduction, the target) and the scale stays put, so the timed steps
+    are comparable with the others."""
+    return lsj.HeadroomScale(init_scale=INIT_SCALE, min_scale=INIT_SCALE, max_scale=INIT_SCALE)
+
+
+def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None, policy=None):
+    policy = lsj.DynamicScale(init_scale=INIT_SCALE) if policy is None else policy()
+    tx = lsj.loss_scaling(optax.adam(LR), policy, overflow=mode)
 
     def post(params, state, grads):
         if step is not None:
@@ -478,6 +488,15 @@ PROTOTYPES: dict[str, tuple[str, dict[str, Any]]] = {
     "proto_optax_noevalshape": (
         "grouped",
         {"fused": False, "mode": "ieee", "step": optax_path_without_eval_shape},
+    ),
+    # HeadroomScale (the range measured in the check's reductions), not in the default run.
+    "lsj_fused_headroom_ieee": (
+        "grouped",
+        {"fused": True, "mode": "ieee", "policy": _headroom_pinned},
+    ),
+    "lsj_optax_headroom_ieee": (
+        "grouped",
+        {"fused": False, "mode": "ieee", "policy": _headroom_pinned},
     ),
 }
 

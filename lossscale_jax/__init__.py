@@ -6,9 +6,15 @@ from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orb
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, diagnose
 from lossscale_jax.flax_utils import LossScaleOptimizer, TrainState
 from lossscale_jax.fused import apply_gradients
-from lossscale_jax.numerics import check_overflow, unscale, unscale_and_check
+from lossscale_jax.numerics import (
+    check_overflow,
+    check_overflow_and_range,
+    unscale,
+    unscale_and_check,
+)
 from lossscale_jax.policies import (
     DynamicScale,
+    HeadroomScale,
     LossScalePolicy,
     LossScaleState,
     NoScale,
@@ -33,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Diagnosis",
     "DynamicScale",
+    "HeadroomScale",
     "LeafDiagnosis",
     "LossScaleOptimizer",
     "LossScalePolicy",
@@ -48,6 +55,7 @@ __all__ = [
     "check_checkpoint",
     "compat",
     "check_overflow",
+    "check_overflow_and_range",
     "diagnose",
     "get_loss_scale_state",
     "loss_scaling",

@@ -37,6 +37,9 @@ class LossScalingMultiStepsState(NamedTuple):
         micro-batch of that window (the window ``metrics`` reports). The first
         micro-batch of the next window starts it afresh. ``None`` when the
         transformation keeps no record (``attribution=None``).
+      window_range: float32, the largest gradient range (``amax``, see
+        ``HeadroomScale``) of the current window's micro-batches so far.
+        ``None`` unless the policy measures it (``policy.measures_range``).
     """
 
     loss_scale: LossScaleState
@@ -45,6 +48,7 @@ class LossScalingMultiStepsState(NamedTuple):
     acc_grads: optax.Updates
     inner_state: optax.OptState
     leaf_overflow: jax.Array | None = None
+    window_range: jax.Array | None = None
 
 
 transform._OWNER_TYPES.append(LossScalingMultiStepsState)
@@ -141,11 +145,12 @@ def loss_scaling_multi_steps(
       grads, found = unscale_and_check(scaled_grads, scale, params)
       window_overflow = any(window_overflow or found over axis_name)
       leaf_overflow = flags if mini_step == 0 else leaf_overflow | flags  # per leaf
+      window_range = amax if mini_step == 0 else max(window_range, amax)  # if measured
       if not window_overflow:
           acc_grads += grads                     # float32 at least; stays finite
       if mini_step < every_k - 1:
           mini_step += 1; return -0.0            # scale and inner state unchanged
-      loss_scale = policy.adjust(loss_scale, window_overflow)
+      loss_scale = policy.adjust(loss_scale, window_overflow)   # amax=window_range if measured
       if not loss_scale.last_skipped:
           updates, inner_state = inner.update(acc_grads / every_k, inner_state, params)
       else:
@@ -222,6 +227,7 @@ def loss_scaling_multi_steps(
             acc_grads=jax.tree_util.tree_map(_acc_zeros, params),
             inner_state=inner_state,
             leaf_overflow=transform._empty_record(params, attribution),
+            window_range=jnp.zeros([], jnp.float32) if policy.measures_range else None,
         )
 
     def update_fn(
@@ -240,7 +246,8 @@ def loss_scaling_multi_steps(
         grads = numerics.unscale(updates, scale, params)
         # The check of unscale_and_check, keeping its per-leaf flags; the flag and the
         # record are ORed over the window and reduced over axis_name (one collective).
-        window_overflow, record = transform._check_and_reduce(
+        # With a policy that measures the range, the window's largest range rides along.
+        window_overflow, record, window_range = transform._check_and_reduce(
             updates,
             scale,
             state.leaf_overflow,
@@ -249,6 +256,8 @@ def loss_scaling_multi_steps(
             axis_name,
             attribution,
             window=(state.window_overflow, state.mini_step == 0),
+            with_range=policy.measures_range,
+            window_range=state.window_range,
         )
 
         def add(acc, g):
@@ -282,7 +291,7 @@ def loss_scaling_multi_steps(
             return _skip_updates(out_shapes)
 
         def finish(acc_tree):
-            loss_scale = policy.adjust(state.loss_scale, window_overflow)
+            loss_scale = transform._adjust(policy, state.loss_scale, window_overflow, window_range)
             stuck.check_stuck(loss_scale, on_stuck)
             new_updates, inner_state = transform._cond(
                 jnp.logical_not(loss_scale.last_skipped),
@@ -297,6 +306,7 @@ def loss_scaling_multi_steps(
                 acc_grads=jax.tree_util.tree_map(jnp.zeros_like, acc_tree),
                 inner_state=inner_state,
                 leaf_overflow=record,
+                window_range=None if window_range is None else jnp.zeros([], jnp.float32),
             )
 
         def accumulate(acc_tree):
@@ -307,6 +317,7 @@ def loss_scaling_multi_steps(
                 acc_grads=acc_tree,
                 inner_state=state.inner_state,
                 leaf_overflow=record,
+                window_range=window_range,
             )
 
         return transform._cond(state.mini_step >= every_k - 1, finish, accumulate, acc)

@@ -28,7 +28,7 @@ _MARKERS = frozenset({"scale", "growth_count", "hysteresis_count"})
 # Fields added after 0.1.0: of LossScaleState, and of the state that holds it
 # (LossScalingState, LossScalingMultiStepsState). A checkpoint without them was
 # saved by an earlier version.
-_ADDED_FIELDS = ("recent_overflow_rate",)
+_ADDED_FIELDS = ("recent_overflow_rate", "range_peak", "margin")
 _ADDED_OWNER_FIELDS = ("leaf_overflow",)
 
 
@@ -214,8 +214,9 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
     if gaps:
         raise ValueError(
             "The checkpoint was saved by an earlier version of lossscale_jax: it lacks "
-            f"{[_fmt(p) for p in gaps]} (the recent overflow rate and the per-leaf overflow "
-            "record, added in this version). Fill them in before restoring: see "
+            f"{[_fmt(p) for p in gaps]} (the recent overflow rate, the per-leaf overflow "
+            "record and HeadroomScale's range_peak and margin, added in this version). Fill "
+            "them in before restoring: see "
             "docs/reliability.md, 'Checkpoints from an earlier version'."
         )
     for prefix in want_ls:

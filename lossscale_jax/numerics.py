@@ -102,7 +102,30 @@ def _or(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, 
     return tuple(jnp.logical_or(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _leaf_flags(leaves: list[jax.Array], mode: str, threshold: float) -> list[jax.Array]:
+def _or_max(n: int) -> Any:
+    """The reducer of ``n`` flags followed by ``n`` magnitudes: OR, then max."""
+
+    def reducer(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        return _or(a[:n], b[:n]) + tuple(
+            jnp.maximum(x, y) for x, y in zip(a[n:], b[n:], strict=True)
+        )
+
+    return reducer
+
+
+def _magnitude(g: jax.Array) -> jax.Array:
+    """``|g|`` in float32 at least (XLA:CPU reduces float32 faster than float16).
+
+    A nan in ``g`` may or may not reach the maximum (XLA's ``max`` on nan is not
+    pinned down); ``HeadroomScale`` takes a maximum that is not finite as no
+    measurement, and in ``"ieee"``/``"both"`` mode a nan is an overflow anyway.
+    """
+    return jnp.abs(g.astype(at_least_float32(g.dtype)))
+
+
+def _leaf_flags(
+    leaves: list[jax.Array], mode: str, threshold: float, with_max: bool = False
+) -> Any:
     """One scalar bool per leaf, from one read of each leaf and no leaf-sized temporary.
 
     Leaves of the same shape are checked together, ``_GROUP`` at a time, in one
@@ -117,16 +140,40 @@ def _leaf_flags(leaves: list[jax.Array], mode: str, threshold: float) -> list[ja
     (one kernel per group, one read of each gradient). A reduction over whole
     leaves needs no reshape, so a gradient in a non-default layout is read
     where it lies.
+
+    With ``with_max`` the same reductions also return each leaf's largest
+    magnitude (``_magnitude``): ``(flags, maxes)``, the maxes as float32
+    scalars. Still one kernel per group (same shape and magnitude dtype, half
+    as many leaves), one read per leaf.
     """
     flags: list[Any] = [None] * len(leaves)
-    groups: dict[tuple[int, ...], list[int]] = {}
+    maxes: list[Any] = [None] * len(leaves)
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, g in enumerate(leaves):
-        groups.setdefault(tuple(g.shape), []).append(i)
+        # XLA refuses floating operands of different precisions in one reduction:
+        # with the magnitudes (float32, or float64 for float64 leaves), a group is
+        # also one magnitude dtype.
+        key = (tuple(g.shape), at_least_float32(g.dtype)) if with_max else (tuple(g.shape),)
+        groups.setdefault(key, []).append(i)
     false = jnp.zeros([], jnp.bool_)
-    for shape, members in groups.items():
-        dims = tuple(range(len(shape)))
-        for start in range(0, len(members), _GROUP):
-            chunk = members[start : start + _GROUP]
+    # Two outputs per leaf with the magnitudes: half as many leaves per kernel keeps
+    # the kernel's outputs as few (XLA:CPU slows down past about 16).
+    size = _GROUP // 2 if with_max else _GROUP
+    for key, members in groups.items():
+        dims = tuple(range(len(key[0])))
+        for start in range(0, len(members), size):
+            chunk = members[start : start + size]
+            if with_max:
+                tests = tuple(
+                    jnp.logical_or(*_predicates(leaves[i], mode, threshold)) for i in chunk
+                )
+                mags = tuple(_magnitude(leaves[i]) for i in chunk)
+                inits = (false,) * len(chunk) + tuple(jnp.zeros([], m.dtype) for m in mags)
+                out = lax.reduce(tests + mags, inits, _or_max(len(chunk)), dims)
+                for k, i in enumerate(chunk):
+                    flags[i] = out[k]
+                    maxes[i] = out[len(chunk) + k].astype(jnp.float32)
+                continue
             if len(chunk) == 1:
                 pair = _predicates(leaves[chunk[0]], mode, threshold)
                 out = lax.reduce(pair, (false, false), _or, dims)
@@ -136,7 +183,7 @@ def _leaf_flags(leaves: list[jax.Array], mode: str, threshold: float) -> list[ja
             out = lax.reduce(tests, (false,) * len(tests), _or, dims)
             for i, flag in zip(chunk, out, strict=True):
                 flags[i] = flag
-    return flags
+    return (flags, maxes) if with_max else flags
 
 
 def _threshold(compute_dtype: Any) -> float:
@@ -197,18 +244,79 @@ def _leaf_vector(
     grads: Any,
     mode: OverflowMode = "ieee",
     compute_dtype: Any = jnp.float16,
-) -> jax.Array:
+    with_max: bool = False,
+) -> Any:
     """``overflow_flags(grads)`` as one ``bool`` vector, in ``tree_leaves(grads)`` order.
 
     The same grouped reductions as ``check_overflow`` (its result is
     ``any(vector)``); the vector is their scalar results stacked, a few bytes
     per leaf, and nothing of a gradient's size. What ``loss_scaling`` keeps as
-    its per-leaf overflow record.
+    its per-leaf overflow record. With ``with_max``: ``(vector, amax)``, amax
+    as ``check_overflow_and_range`` measures it, from the same reductions.
     """
-    flags = jax.tree_util.tree_leaves(overflow_flags(grads, mode, compute_dtype))
-    if not flags:
-        return jnp.zeros([0], jnp.bool_)
-    return jnp.stack(flags)
+    if not with_max:
+        flags = jax.tree_util.tree_leaves(overflow_flags(grads, mode, compute_dtype))
+        return jnp.stack(flags) if flags else jnp.zeros([0], jnp.bool_)
+    mode = validate_overflow_mode(mode)
+    threshold = _threshold(compute_dtype)
+    leaves = jax.tree_util.tree_leaves(grads)
+    checked = [i for i, g in enumerate(leaves) if _is_float(g)]
+    flags, maxes = _leaf_flags(
+        [jnp.asarray(leaves[i]) for i in checked], mode, threshold, with_max=True
+    )
+    out = [jnp.zeros([], jnp.bool_)] * len(leaves)
+    for i, flag in zip(checked, flags, strict=True):
+        out[i] = flag
+    vector = jnp.stack(out) if out else jnp.zeros([0], jnp.bool_)
+    return vector, _max_of(maxes)
+
+
+def _max_of(maxes: list[jax.Array]) -> jax.Array:
+    if not maxes:
+        return jnp.zeros([], jnp.float32)
+    return maxes[0] if len(maxes) == 1 else jnp.max(jnp.stack(maxes))
+
+
+def check_overflow_and_range(
+    grads: Any,
+    mode: OverflowMode = "ieee",
+    compute_dtype: Any = jnp.float16,
+) -> tuple[jax.Array, jax.Array]:
+    """``check_overflow(grads)`` and the gradients' range, from the same pass.
+
+    Rule::
+
+      overflow = check_overflow(grads, mode, compute_dtype)
+      amax = max(|g| over every floating leaf)          # float32; a nan may show as nan
+
+    The magnitude is taken in the same grouped reductions as the check (one
+    kernel per group of same-shape leaves, one read of each gradient, no
+    leaf-sized temporary). ``HeadroomScale`` reads it as a fraction of the
+    range at scale 1: ``amax / (scale * finfo(compute_dtype).max)``. When
+    ``overflow`` is set, ``amax`` says nothing (an inf, or a saturated 65504).
+
+    Args:
+      grads: a pytree of (scaled) gradients.
+      mode: ``"ieee"``, ``"saturating"`` or ``"both"``.
+      compute_dtype: the dtype whose ``finfo.max`` is the saturating threshold.
+
+    Returns:
+      ``(overflow, amax)``: a scalar bool and a scalar float32 (0 without
+      floating leaves).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale_jax as lsj
+      >>> g = {"w": jnp.array([1.0, -300.0], jnp.float16), "b": jnp.array([2.0], jnp.float16)}
+      >>> overflow, amax = lsj.check_overflow_and_range(g)
+      >>> bool(overflow), float(amax)
+      (False, 300.0)
+    """
+    mode = validate_overflow_mode(mode)
+    threshold = _threshold(compute_dtype)
+    leaves = [jnp.asarray(g) for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
+    flags, maxes = _leaf_flags(leaves, mode, threshold, with_max=True)
+    return _reduce_any(flags), _max_of(maxes)
 
 
 def check_overflow(

@@ -99,46 +99,111 @@ def _check_and_reduce(
     attribution: str | None,
     *,
     window: tuple[jax.Array, jax.Array] | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """The overflow flag and the new per-leaf record, reduced over ``axis_name``.
+    with_range: bool = False,
+    window_range: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The overflow flag, the new per-leaf record and the range, reduced over ``axis_name``.
 
     Rule::
 
       flags = overflow_flags(updates) as a vector     # the check's own per-leaf results
       found = any(flags) or scale is not finite and > 0
+      if with_range:                                  # from the same reductions
+          amax = max |updates| / (scale * finfo(compute_dtype).max)   # float32
       if window (accumulation): found |= window_overflow
                                 flags  = flags if first micro-batch else record | flags
-      if attribution == "reduced":
+                                amax   = amax if first micro-batch else max(window_range, amax)
+      if with_range:
+          found, amax, flags = (any, max, any) over axis_name   # one float32 all-reduce
+      elif attribution == "reduced":
           found, flags = any over axis_name of (found, flags)  # one all-reduce, n+1 ints
       else:
           found = any over axis_name of found                 # one scalar all-reduce
-      return found, (flags if record is not None else None)
+      return found, (flags if record is not None else None), (amax if with_range else None)
 
-    The flags come from the reductions ``check_overflow`` makes (one read of
-    each gradient, no mask); stacking them adds a few bytes per leaf.
+    The flags and the range come from the reductions ``check_overflow`` makes
+    (one read of each gradient, no mask); stacking them adds a few bytes per
+    leaf. The flags travel in the all-reduce only for ``attribution="reduced"``.
     """
-    flags = numerics._leaf_vector(updates, mode, compute_dtype)
+    amax = None
+    if with_range:
+        flags, raw = numerics._leaf_vector(updates, mode, compute_dtype, with_max=True)
+        limit = jnp.float32(numerics._threshold(compute_dtype))
+        amax = raw / (scale.astype(jnp.float32) * limit)
+    else:
+        flags = numerics._leaf_vector(updates, mode, compute_dtype)
     found = jnp.logical_or(jnp.any(flags), numerics._scale_is_bad(scale))
-    if record is not None:
-        if record.shape != flags.shape:
-            raise ValueError(
-                f"the gradients have {flags.shape[0]} leaves but the optimizer state's "
-                f"per-leaf overflow record (leaf_overflow) has {record.shape[0]}: tx.init was "
-                "given parameters of another structure. Pass gradients with the structure of "
-                "the parameters given to tx.init."
-            )
-        if window is not None:
-            window_overflow, first = window
-            found = jnp.logical_or(found, window_overflow)
+    if record is not None and record.shape != flags.shape:
+        raise ValueError(
+            f"the gradients have {flags.shape[0]} leaves but the optimizer state's "
+            f"per-leaf overflow record (leaf_overflow) has {record.shape[0]}: tx.init was "
+            "given parameters of another structure. Pass gradients with the structure of "
+            "the parameters given to tx.init."
+        )
+    if window is not None:
+        window_overflow, first = window
+        found = jnp.logical_or(found, window_overflow)
+        if record is not None:
             flags = jnp.where(first, flags, jnp.logical_or(record, flags))
-    elif window is not None:
-        found = jnp.logical_or(found, window[0])
-    if record is None or attribution != "reduced" or axis_name is None:
+        if amax is not None and window_range is not None:
+            amax = jnp.where(first, amax, jnp.maximum(window_range, amax))
+    reduce_flags = record is not None and attribution == "reduced" and axis_name is not None
+    if amax is not None:
+        found, amax, reduced = _reduce_packed(
+            found, amax, flags if reduce_flags else None, axis_name
+        )
+        if reduce_flags:
+            flags = reduced
+        return found, (None if record is None else flags), amax
+    if not reduce_flags:
         found = reduce_overflow(found, axis_name)
-        return found, (None if record is None else flags)
+        return found, (None if record is None else flags), None
     # One collective for the flag and the record together.
     both = reduce_overflow(jnp.concatenate([found[None], flags]), axis_name)
-    return both[0], both[1:]
+    return both[0], both[1:], None
+
+
+def _adjust(
+    policy: LossScalePolicy, loss_scale: LossScaleState, found: jax.Array, amax: Any
+) -> LossScaleState:
+    """``policy.adjust``, given the measured range when the policy takes it."""
+    if policy.measures_range:
+        # The policy's adjust takes ``amax=`` (HeadroomScale's signature; the base's has none).
+        adjust: Any = policy.adjust
+        return adjust(loss_scale, found, amax=amax)
+    return policy.adjust(loss_scale, found)
+
+
+def _reduce_packed(
+    found: jax.Array, amax: jax.Array, flags: jax.Array | None, axis_name: Any
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``(any found, max amax, any flags)`` over ``axis_name``: one float32 ``pmax``.
+
+    Rule::
+
+      packed = [float32(found), amax, float32(flags)...]    # 2 + n values
+      packed = pmax(packed, axis_name)                     # one all-reduce
+      return packed[0] > 0, packed[1], packed[2:] > 0
+
+    The flag is an element of its own, so an ``amax`` that is inf (an
+    overflowing device) or nan (a corrupted scale) cannot stand for it.
+    """
+    names = _validate_axis_name(axis_name)
+    if names is None:
+        return found, amax, flags
+    parts = [found.astype(jnp.float32)[None], amax.astype(jnp.float32)[None]]
+    if flags is not None:
+        parts.append(flags.astype(jnp.float32))
+    axes = names[0] if len(names) == 1 else names
+    try:
+        out = lax.pmax(jnp.concatenate(parts), axes)
+    except NameError as e:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound here: run the update inside jax.pmap or "
+            "jax.shard_map over that axis, or pass axis_name=None (one device, or jit over "
+            f"sharded arrays, where XLA reduces the flag). JAX said: {e}"
+        ) from e
+    return out[0] > 0, out[1], (None if flags is None else out[2:] > 0)
 
 
 def _validate_axes(axis_name: Any, local_axes: Any) -> tuple[tuple, tuple]:
@@ -503,10 +568,17 @@ def loss_scaling(
         # results); the unscale happens inside the conditional, fused with the inner
         # update (no unscaled copy is written to memory). A scale that is not finite
         # and > 0 (a corrupted state) counts as overflow.
-        found, record = _check_and_reduce(
-            updates, loss_scale.scale, record, mode, compute_dtype, axis_name, attribution
+        found, record, amax = _check_and_reduce(
+            updates,
+            loss_scale.scale,
+            record,
+            mode,
+            compute_dtype,
+            axis_name,
+            attribution,
+            with_range=policy.measures_range,
         )
-        loss_scale = policy.adjust(loss_scale, found)
+        loss_scale = _adjust(policy, loss_scale, found, amax)
         stuck.check_stuck(loss_scale, on_stuck)
         return loss_scale, jnp.logical_not(loss_scale.last_skipped), record
 

@@ -436,3 +436,57 @@ class ReferenceDynamic:
                 self.growth = 0
                 self.hyst = 0
         return float(self.scale), overflow, stuck
+
+
+class ReferenceHeadroom:
+    """This library's ``HeadroomScale`` docstring rule, with NumPy float32 scalars.
+
+    ``step(overflow, amax) -> (scale, overflow, stuck)``; ``peak``, ``margin`` and ``good``
+    are the state after the step (``range_peak``, ``margin``, ``growth_count``). Written from
+    the docstring, not from the code: the target is ``2 ** (floor(log2(1 / peak)) - margin)``,
+    its exponent read with ``np.frexp``.
+    """
+
+    def __init__(self, p):
+        self.p = p
+        self.scale = F32(p.init_scale)
+        self.peak = F32(0.0)
+        self.margin = p.min_margin
+        self.good = 0
+
+    @staticmethod
+    def target(peak, margin) -> np.float32:
+        with np.errstate(divide="ignore", over="ignore"):
+            inv = F32(1.0) / F32(peak)
+        if not np.isfinite(inv):
+            return F32(np.inf)
+        e = int(np.frexp(inv)[1]) - 1 - int(margin)
+        return F32(math.ldexp(1.0, e)) if e < 128 else F32(np.inf)
+
+    def step(self, overflow: bool, amax: float) -> tuple[float, bool, bool]:
+        p = self.p
+        stuck = overflow and self.scale <= F32(p.min_scale)
+        amax = F32(amax) if np.isfinite(amax) and amax >= 0 else F32(0.0)
+        if overflow:
+            self.good = 0
+            if self.peak == 0:
+                new = f32(self.scale * F32(p.blind_backoff))
+            else:
+                if self.margin < p.max_margin:
+                    self.margin += 1
+                else:
+                    self.peak = max(self.peak, F32(F32(1.0) / self.scale))
+                new = min(F32(self.scale * F32(0.5)), self.target(self.peak, self.margin))
+        else:
+            self.peak = max(amax, F32(self.peak * F32(2.0 ** (-1.0 / p.window))))
+            self.good += 1
+            if self.good >= p.margin_interval and self.margin > p.min_margin:
+                self.margin -= 1
+                self.good = 0
+            if self.peak > 0:
+                new = self.target(self.peak, self.margin)
+            else:
+                new = f32(self.scale * F32(2.0))
+        hi = F32(min(p.max_scale, float(np.finfo(np.float32).max)))
+        self.scale = F32(min(max(new, F32(p.min_scale)), hi))
+        return float(self.scale), overflow, stuck

@@ -169,6 +169,8 @@ def test_state_dtypes_and_fields():
         "overflow_steps": jnp.int32,
         "skipped_steps": jnp.int32,
         "recent_overflow_rate": jnp.float32,
+        "range_peak": jnp.float32,
+        "margin": jnp.int32,
     }
     fields = {f.name for f in dataclasses.fields(s)}
     assert fields == set(expected)

@@ -122,6 +122,48 @@ def policy_without_conform():
 # (mistake, call, exception, message excerpt as it appears in docs/errors.md)
 CASES = [
     (
+        "HeadroomScale min_margin",
+        lambda: lsj.HeadroomScale(min_margin=-1),
+        ValueError,
+        "min_margin must be an int in [0,",
+    ),
+    (
+        "HeadroomScale max_margin below min_margin",
+        lambda: lsj.HeadroomScale(min_margin=2, max_margin=1),
+        ValueError,
+        "max_margin (1) must be >= min_margin (2)",
+    ),
+    (
+        "HeadroomScale max_margin",
+        lambda: lsj.HeadroomScale(max_margin=65),
+        ValueError,
+        "max_margin must be an int in [min_margin, 64]",
+    ),
+    (
+        "HeadroomScale window",
+        lambda: lsj.HeadroomScale(window=0),
+        ValueError,
+        "window must be an int in [1,",
+    ),
+    (
+        "HeadroomScale blind_backoff",
+        lambda: lsj.HeadroomScale(blind_backoff=1.0),
+        ValueError,
+        "blind_backoff must be in (0, 1)",
+    ),
+    (
+        "HeadroomScale.adjust without amax",
+        lambda: lsj.HeadroomScale().adjust(lsj.HeadroomScale().init(), False),
+        TypeError,
+        "HeadroomScale.adjust needs amax=",
+    ),
+    (
+        "HeadroomScale.adjust amax not a scalar",
+        lambda: lsj.HeadroomScale().adjust(lsj.HeadroomScale().init(), False, amax=jnp.ones(2)),
+        ValueError,
+        "amax must be a scalar",
+    ),
+    (
         "backoff_factor",
         lambda: lsj.DynamicScale(backoff_factor=2.0),
         ValueError,

@@ -118,6 +118,8 @@ def test_flax_state_dict_round_trip_keeps_dtypes():
         "overflow_steps",
         "skipped_steps",
         "recent_overflow_rate",
+        "range_peak",
+        "margin",
     }
     assert sd["leaf_overflow"].dtype == np.bool_ and sd["leaf_overflow"].shape == (2,)
     back = lsj.restore_flax(state, sd)

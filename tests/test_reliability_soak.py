@@ -17,13 +17,14 @@ STEPS = 1500
 
 
 @functools.cache
-def soak(mode):
-    return fault_soak.run_soak(mode, STEPS, seed=1)
+def soak(mode, policy="dynamic"):
+    return fault_soak.run_soak(mode, STEPS, seed=1, policy_name=policy)
 
 
+@pytest.mark.parametrize("policy", fault_soak.POLICY_NAMES)
 @pytest.mark.parametrize("mode", ["ieee", "saturating", "both"])
-def test_soak(mode):
-    result = soak(mode)
+def test_soak(mode, policy):
+    result = soak(mode, policy)
     fault_soak.check(result)
     s = result["summary"]
     # The schedule exercised what it is meant to: faults of every injected kind, bursts

@@ -65,7 +65,9 @@ def test_quick_json_rows_follow_the_schema(job):
     seeds = 2  # --quick
     assert len(rows) == 2 * len(ex.CONFIGS) * seeds
     assert {r["setting"] for r in rows} == {"mean", "update_2^19"}
-    assert {"fp32", "fp16", "fp16_static", "fp16_dynamic"} <= {r["config"] for r in rows}
+    assert {"fp32", "fp16", "fp16_static", "fp16_dynamic", "fp16_headroom"} <= {
+        r["config"] for r in rows
+    }
     assert {r["config"] for r in rows} == {c.name for c in ex.CONFIGS}
     for r in rows:
         assert set(r) == KEYS, r
@@ -115,7 +117,7 @@ def test_quick_unscaled_fp16_loses_the_update_setting_gradients(job):
     for seed in (0, 1):
         unscaled = _rows(result, "update_2^19", "fp16")[seed]["lost_fraction"]
         assert unscaled > 0.05
-        for config in ("fp16_static", "fp16_dynamic"):
+        for config in ("fp16_static", "fp16_dynamic", "fp16_headroom"):
             scaled = _rows(result, "update_2^19", config)[seed]["lost_fraction"]
             assert scaled < 0.002
             assert unscaled > 100 * scaled
@@ -133,7 +135,7 @@ def test_quick_losses_follow_what_float16_lost(job):
     for seed in (0, 1):
         ref = {s: _rows(result, s, "fp32")[seed]["val_loss"] for s in ("mean", "update_2^19")}
         for setting in ("mean", "update_2^19"):
-            for config in ("fp16_static", "fp16_dynamic"):
+            for config in ("fp16_static", "fp16_dynamic", "fp16_headroom"):
                 val = _rows(result, setting, config)[seed]["val_loss"]
                 assert abs(val - ref[setting]) < 0.1, (setting, config, seed)
         assert abs(_rows(result, "mean", "fp16")[seed]["val_loss"] - ref["mean"]) < 0.1
@@ -162,10 +164,37 @@ def test_quick_counts_agree_with_the_histories(job):
                 used = [float(model.scale)] + [model.step(bool(o))[0] for o in h["skipped"]]
                 np.testing.assert_array_equal(h["scale"], used[:-1])
                 assert row["final_scale"] == used[-1]
+            elif isinstance(config.policy, lsj.HeadroomScale):
+                # Powers of two always (the unscale is exact); from the first good step on,
+                # a target read from the gradients, never a blind doubling.
+                exps = np.log2(h["scale"])
+                np.testing.assert_array_equal(exps, np.round(exps))
+                assert row["final_scale"] == 2.0 ** round(math.log2(row["final_scale"]))
             elif isinstance(config.policy, lsj.NoScale | lsj.StaticScale):
                 want = getattr(config.policy, "scale", 1.0)  # fixed; no overflow here
                 np.testing.assert_array_equal(h["scale"], want)
                 assert row["final_scale"] == want and skipped == 0
+
+
+def test_quick_headroom_reads_the_ceiling_without_probing(job):
+    """HeadroomScale jumps to its target on the first step and does not overflow to find it.
+
+    Measured (the ceiling study of this job): the parameter gradients' headroom equals the
+    real float16 ceiling on 95% of steps and is never more than one octave above it, and in
+    update_2^19 the ceiling at initialisation is 2**26. One octave of margin below the
+    measured room puts the scale at 2**24-2**26 after the first step, where the dynamic scale,
+    growing one octave per 25 good steps from 2**19, is still at 2**19-2**20 after 25 steps.
+    """
+    _, _, result = job
+    for seed in (0, 1):
+        row = _rows(result, "update_2^19", "fp16_headroom")[seed]
+        assert 2.0**24 <= row["final_scale"] <= 2.0**26
+        assert (
+            row["final_scale"]
+            >= 16 * _rows(result, "update_2^19", "fp16_dynamic")[seed]["final_scale"]
+        )
+        for setting in ("mean", "update_2^19"):
+            assert _rows(result, setting, "fp16_headroom")[seed]["skipped_fraction"] == 0.0
 
 
 def test_underflow_probe_against_numpy(job):

@@ -1,7 +1,8 @@
 """Fault-injection soak: jit-compiled training steps with faults injected into the gradients.
 
 A small float16 MLP (float32 master weights, Adam) trains under
-``loss_scaling(..., DynamicScale)``; before each update, faults are written into
+``loss_scaling(..., DynamicScale)`` (or ``HeadroomScale``, ``--policy headroom``); before each
+update, faults are written into
 the scaled float16 gradients at random leaves and elements: ``inf``, ``-inf``,
 ``nan``, ``+65504`` and ``-65504``, alone or in bursts of consecutive steps.
 Every step is checked on the device (one ``lax.scan``, no host sync):
@@ -9,7 +10,9 @@ Every step is checked on the device (one ``lax.scan``, no host sync):
 - params and the whole optimizer state hold only finite values;
 - a skipped step leaves params and the inner optimizer state bit-identical;
 - the scale stays in ``[min_scale, max_scale]`` (never 0 nor inf) and follows a
-  plain-Python model of the ``DynamicScale`` rule driven by the injected faults;
+  plain-Python model of the policy's rule driven by the injected faults (for
+  ``HeadroomScale`` also by each step's gradient range, measured separately with
+  ``jnp.max(jnp.abs(g))``);
 - each step's overflow flag, and the telemetry counters, equal the faults the
   overflow mode is meant to see (ieee: inf/nan; saturating: |g| >= 65504,
   inf included; both: all of them).
@@ -20,12 +23,15 @@ for it, so nan is not injected in that mode (``"both"`` covers mixed devices).
 Usage::
 
     python tests/soak/fault_soak.py --steps 10000          # every mode
+    python tests/soak/fault_soak.py --steps 10000 --policy headroom
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import pathlib
+import sys
 import time
 from typing import Any
 
@@ -36,6 +42,9 @@ import optax
 from jax import lax
 
 import lossscale_jax as lsj
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, as pytest has it
+from reference_scalers import ReferenceHeadroom  # noqa: E402
 
 KINDS = ("inf", "-inf", "nan", "+65504", "-65504")
 VALUES = np.array([np.inf, -np.inf, np.nan, 65504.0, -65504.0], np.float16)
@@ -58,7 +67,25 @@ MAX_FAULTS = 3  # faults per faulty step, at most
 SHAPES = {"b1": (16,), "b2": (4,), "w1": (8, 16), "w2": (16, 4)}  # sorted, as jax flattens
 
 
-def make_policy(mode: str) -> lsj.DynamicScale:
+POLICY_NAMES = ("dynamic", "headroom")
+
+
+def make_policy(mode: str, name: str = "dynamic") -> lsj.LossScalePolicy:
+    if name == "headroom":
+        # A short memory and margin interval, so bursts widen the margin, drive the scale to
+        # its floor, and it recovers within the run. The cap keeps this MLP's own float16
+        # backward far from its overflow, as DynamicScale's does: its intermediate gradients
+        # overflow (to inf, then nan) well below the room its parameter gradients show (2
+        # octaves at the start, more as it trains), and in "saturating" mode nothing would
+        # catch that nan (a saturating device never writes one; this CPU does).
+        return lsj.HeadroomScale(
+            init_scale=2.0**10,
+            min_margin=3,
+            max_margin=6,
+            margin_interval=25,
+            window=10,
+            max_scale=2.0**12,
+        )
     return lsj.DynamicScale(
         init_scale=2.0**10, growth_interval=25, min_scale=1.0, max_scale=2.0**12, **POLICIES[mode]
     )
@@ -145,9 +172,20 @@ def _all_finite(tree: Any) -> jax.Array:
     )
 
 
-def build(mode: str, steps: int, seed: int = 0):
+def reference_headroom_scales(
+    policy: lsj.HeadroomScale, overflow: np.ndarray, amax: np.ndarray
+) -> np.ndarray:
+    """(scale, range_peak, margin) after each step, by ``ReferenceHeadroom`` (float32 rule)."""
+    model = ReferenceHeadroom(policy)
+    out = np.empty((len(overflow), 3), np.float64)
+    for t, (o, a) in enumerate(zip(overflow, amax, strict=True)):
+        out[t] = (model.step(bool(o), float(a))[0], model.peak, model.margin)
+    return out
+
+
+def build(mode: str, steps: int, seed: int = 0, policy_name: str = "dynamic"):
     """The jitted scan over ``steps`` steps and its inputs."""
-    policy = make_policy(mode)
+    policy = make_policy(mode, policy_name)
     tx = lsj.loss_scaling(optax.adam(1e-3), policy, overflow=mode)
     key = jax.random.PRNGKey(seed)
     params = {
@@ -181,6 +219,11 @@ def build(mode: str, steps: int, seed: int = 0):
         grads = jax.grad(lambda p: lsj.scale_loss(loss_fn(p, x, y), opt_state))(p16)
         natural = lsj.check_overflow(grads, mode)
         grads = inject(dict(grads), leaf, pos, kind)
+        scale = opt_state.loss_scale.scale
+        # The range HeadroomScale reads, measured here on its own (not the library's pass).
+        amax = jnp.max(
+            jnp.stack([jnp.max(jnp.abs(g.astype(jnp.float32))) for g in grads.values()])
+        ) / (scale * jnp.float32(65504.0))
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         ls = new_opt.loss_scale
@@ -190,6 +233,9 @@ def build(mode: str, steps: int, seed: int = 0):
             "stuck": ls.stuck,
             "natural": natural,
             "scale": ls.scale,
+            "amax": amax,
+            "range_peak": ls.range_peak,
+            "margin": ls.margin,
             "finite": jnp.logical_and(_all_finite(new_params), _all_finite(new_opt)),
             "params_same": _tree_all(_bits_equal, params, new_params),
             "inner_same": _tree_all(_bits_equal, opt_state.inner_state, new_opt.inner_state),
@@ -207,9 +253,9 @@ def build(mode: str, steps: int, seed: int = 0):
     return run, (params, opt_state), xs, schedule, policy
 
 
-def run_soak(mode: str, steps: int, seed: int = 0) -> dict[str, Any]:
+def run_soak(mode: str, steps: int, seed: int = 0, policy_name: str = "dynamic") -> dict[str, Any]:
     """Runs the soak and returns its per-step record, the expectations and summary figures."""
-    run, carry, xs, schedule, policy = build(mode, steps, seed)
+    run, carry, xs, schedule, policy = build(mode, steps, seed, policy_name)
     t0 = time.perf_counter()
     compiled = run.lower(carry, xs).compile()
     t1 = time.perf_counter()
@@ -220,6 +266,17 @@ def run_soak(mode: str, steps: int, seed: int = 0) -> dict[str, Any]:
     faults = schedule["leaf"] >= 0
     counts = {k: int(np.sum(faults & (schedule["kind"] == i))) for i, k in enumerate(KINDS)}
     m = {k: np.asarray(v) for k, v in lsj.metrics(opt_state).items()}
+    state_mismatch = 0
+    if isinstance(policy, lsj.HeadroomScale):
+        ref = reference_headroom_scales(policy, expected, rec["amax"])
+        reference = ref[:, 0].astype(np.float32)
+        state_mismatch = int(
+            np.sum(
+                (rec["range_peak"] != ref[:, 1].astype(np.float32)) | (rec["margin"] != ref[:, 2])
+            )
+        )
+    else:
+        reference = reference_scales(policy, expected)
     return {
         "mode": mode,
         "steps": steps,
@@ -227,7 +284,7 @@ def run_soak(mode: str, steps: int, seed: int = 0) -> dict[str, Any]:
         "compile_s": t1 - t0,
         "record": rec,
         "expected_overflow": expected,
-        "reference_scale": reference_scales(policy, expected),
+        "reference_scale": reference,
         "policy": policy,
         "final_params": params,
         "final_opt_state": opt_state,
@@ -250,7 +307,8 @@ def run_soak(mode: str, steps: int, seed: int = 0) -> dict[str, Any]:
             ),
             "scale_min": float(rec["scale"].min()),
             "scale_max": float(rec["scale"].max()),
-            "scale_mismatch_steps": int(np.sum(rec["scale"] != reference_scales(policy, expected))),
+            "scale_mismatch_steps": int(np.sum(rec["scale"] != reference)),
+            "state_mismatch_steps": state_mismatch,  # HeadroomScale: range_peak and margin
         },
     }
 
@@ -281,6 +339,7 @@ def check(result: dict[str, Any]) -> None:
     assert np.all(np.isfinite(rec["scale"])) and np.all(rec["scale"] > 0)
     assert policy.min_scale <= s["scale_min"] and s["scale_max"] <= policy.max_scale, s
     np.testing.assert_array_equal(rec["scale"], result["reference_scale"])
+    assert s["state_mismatch_steps"] == 0, s
     # Stuck exactly when a step overflows at the floor.
     before = np.concatenate([[policy.init_scale], rec["scale"][:-1]])
     np.testing.assert_array_equal(rec["stuck"], expected & (before <= policy.min_scale))
@@ -291,14 +350,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=["ieee", "saturating", "both"])
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="dynamic")
     args = parser.parse_args()
     for mode in args.modes:
         t0 = time.perf_counter()
-        result = run_soak(mode, args.steps, args.seed)
+        result = run_soak(mode, args.steps, args.seed, args.policy)
         check(result)
         s = result["summary"]
         print(
-            f"{mode:10s} steps={s['steps']} faulty_steps={s['faulty_steps']} "
+            f"{args.policy} {mode:10s} steps={s['steps']} faulty_steps={s['faulty_steps']} "
             f"(alone={s['alone']} bursts={s['bursts']} longest={s['longest_burst']}) "
             f"faults={s['faults_total']} {s['faults']} "
             f"expected_overflow={s['expected_overflow_steps']} "
