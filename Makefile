@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check lossscale_jax tests examples benchmarks docs/conf.py docs/_ext
-	$(BIN)/ruff format --check lossscale_jax tests examples benchmarks docs/conf.py docs/_ext
+	$(BIN)/ruff check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext
+	$(BIN)/ruff format --check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext
 
 # The type check (pyright; settings in pyproject.toml): no error in the package, and the type of
 # every public name known (--verifytypes fails below 100%; it reads the interpreter on PATH and
