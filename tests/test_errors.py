@@ -666,6 +666,12 @@ CASES += [
         TypeError,
         "transforms must be a non-empty mapping",
     ),
+    (
+        "multi_optimizer headroom",
+        lambda: compat.torch.multi_optimizer({"a": optax.sgd(0.1)}, "a", lsj.HeadroomScale()),
+        ValueError,
+        "sets its scale from the gradients' range, which multi_optimizer does not measure",
+    ),
 ]
 
 

@@ -318,7 +318,8 @@ def multi_optimizer(
 
     Raises:
       TypeError: if ``transforms`` is not a non-empty mapping or ``grad_scaler`` not a
-        policy. ValueError: for a bad ``overflow`` or ``axis_name``.
+        policy. ValueError: for a bad ``overflow`` or ``axis_name``, or a ``grad_scaler``
+        that sets its scale from the gradients' range (``HeadroomScale``).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -334,6 +335,13 @@ def multi_optimizer(
       ([-1.0, -2.0], [0.0, 0.0], 2.0)
     """
     policy = _check_policy("grad_scaler", grad_scaler)
+    if policy.measures_range:
+        raise ValueError(
+            f"grad_scaler={policy!r} sets its scale from the gradients' range, which "
+            "multi_optimizer does not measure (torch's GradScaler has no such policy): use "
+            "compat.torch.GradScaler(...), or lossscale_jax.loss_scaling(optax.multi_transform"
+            "(...), policy) for one decision over every partition."
+        )
     if not isinstance(transforms, Mapping) or not transforms:
         raise TypeError(
             f"transforms must be a non-empty mapping of label -> optax transformation, got "
