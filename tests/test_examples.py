@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import numpy as np
+from script_loader import load_script  # tests/ is on sys.path under pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def load(name: str):
-    path = ROOT / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"examples/{name}.py")
 
 
 def test_linear_regression_underflow(capsys):

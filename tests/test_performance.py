@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -342,13 +343,7 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
 
 
 def _bench():
-    import importlib.util
-
-    path = ROOT / "benchmarks" / "bench_step.py"
-    spec = importlib.util.spec_from_file_location("bench_step", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/bench_step.py")
 
 
 def test_benchmark_quick_run(tmp_path):

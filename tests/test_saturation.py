@@ -7,7 +7,6 @@ end, the same training on IEEE hardware.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import jax
@@ -17,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.testing import saturate, saturating
@@ -359,11 +359,7 @@ def test_scaled_loss_cotangent_saturation_is_invisible_to_values():
 
 
 def _load_example():
-    path = ROOT / "examples" / "npu_saturation.py"
-    spec = importlib.util.spec_from_file_location("example_npu_saturation", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/npu_saturation.py")
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,15 @@ from an independent NumPy argmax over the model's logits.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import math
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -27,14 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ACCURACY_TOLERANCE = 0.02
 
 
-@functools.cache
 def load():
-    path = ROOT / "examples" / "train_digits.py"
-    spec = importlib.util.spec_from_file_location("example_train_digits", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Flax modules are dataclasses: they look themselves up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/train_digits.py")
 
 
 @pytest.fixture(scope="module")

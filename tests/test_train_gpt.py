@@ -8,18 +8,16 @@ model of the DynamicScale rule (``reference_scalers.ReferenceDynamic``).
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import math
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference_scalers import ReferenceDynamic  # tests/ is on sys.path under pytest
+from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -36,14 +34,8 @@ KEYS = {
 }
 
 
-@functools.cache
 def load():
-    path = ROOT / "examples" / "train_gpt.py"
-    spec = importlib.util.spec_from_file_location("example_train_gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Flax modules are dataclasses: they look themselves up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/train_gpt.py")
 
 
 @pytest.fixture(scope="module")
