@@ -194,16 +194,20 @@ def _reduce_packed(
     parts = [found.astype(jnp.float32)[None], amax.astype(jnp.float32)[None]]
     if flags is not None:
         parts.append(flags.astype(jnp.float32))
-    axes = names[0] if len(names) == 1 else names
+    out = _pmax(jnp.concatenate(parts), names, axis_name)
+    return out[0] > 0, out[1], (None if flags is None else out[2:] > 0)
+
+
+def _pmax(x: jax.Array, names: tuple, axis_name: Any) -> jax.Array:
+    """``lax.pmax(x)`` over the validated ``names``; an unbound axis is a ValueError."""
     try:
-        out = lax.pmax(jnp.concatenate(parts), axes)
+        return lax.pmax(x, names[0] if len(names) == 1 else names)
     except NameError as e:
         raise ValueError(
             f"axis_name={axis_name!r} is not bound here: run the update inside jax.pmap or "
             "jax.shard_map over that axis, or pass axis_name=None (one device, or jit over "
             f"sharded arrays, where XLA reduces the flag). JAX said: {e}"
         ) from e
-    return out[0] > 0, out[1], (None if flags is None else out[2:] > 0)
 
 
 def _validate_axes(axis_name: Any, local_axes: Any) -> tuple[tuple, tuple]:
@@ -336,15 +340,7 @@ def reduce_overflow(overflow: ArrayLike, axis_name: AxisName | None) -> jax.Arra
     names = _validate_axis_name(axis_name)
     if names is None:
         return flag
-    axes = names[0] if len(names) == 1 else names
-    try:
-        return lax.pmax(flag.astype(jnp.int32), axes) > 0
-    except NameError as e:
-        raise ValueError(
-            f"axis_name={axis_name!r} is not bound here: run the update inside jax.pmap or "
-            "jax.shard_map over that axis, or pass axis_name=None (one device, or jit over "
-            f"sharded arrays, where XLA reduces the flag). JAX said: {e}"
-        ) from e
+    return _pmax(flag.astype(jnp.int32), names, axis_name) > 0
 
 
 def _skip_updates(shapes: Any) -> Any:
