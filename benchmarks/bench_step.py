@@ -426,7 +426,7 @@ def optax_path_without_eval_shape(tx, grads, state, params):
     from lossscale_jax.transform import LossScalingState
 
     parts = tx.update.loss_scaling_parts
-    loss_scale, apply = parts.decide(grads, state.loss_scale)
+    loss_scale, apply, record = parts.decide(grads, state.loss_scale, state.leaf_overflow)
     scale = state.loss_scale.scale
 
     def good(operands):
@@ -438,7 +438,7 @@ def optax_path_without_eval_shape(tx, grads, state, params):
         return zeros, operands[1]
 
     updates, inner = lax.cond(apply, good, skip, (grads, state.inner_state))
-    return optax.apply_updates(params, updates), LossScalingState(loss_scale, inner)
+    return optax.apply_updates(params, updates), LossScalingState(loss_scale, inner, record)
 
 
 def optax_path_one_trace(tx, grads, state, params):
@@ -449,7 +449,7 @@ def optax_path_one_trace(tx, grads, state, params):
     from lossscale_jax.transform import LossScalingState
 
     parts = tx.update.loss_scaling_parts
-    loss_scale, apply = parts.decide(grads, state.loss_scale)
+    loss_scale, apply, record = parts.decide(grads, state.loss_scale, state.leaf_overflow)
     scale = state.loss_scale.scale
 
     def apply_inner(operands):
@@ -471,7 +471,7 @@ def optax_path_one_trace(tx, grads, state, params):
         return zeros, operands[1]
 
     updates, inner = lax.cond(apply, good, skip, operands)
-    return optax.apply_updates(params, updates), LossScalingState(loss_scale, inner)
+    return optax.apply_updates(params, updates), LossScalingState(loss_scale, inner, record)
 
 
 PROTOTYPES: dict[str, tuple[str, dict[str, Any]]] = {
