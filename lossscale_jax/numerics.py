@@ -229,15 +229,28 @@ def overflow_flags(
       >>> {k: bool(v) for k, v in numerics.overflow_flags(g).items()}
       {'b': False, 'w': True}
     """
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    flags, _ = _every_leaf_flags(leaves, mode, compute_dtype)
+    return jax.tree_util.tree_unflatten(treedef, flags)
+
+
+def _every_leaf_flags(
+    leaves: list[Any], mode: Any, compute_dtype: Any, with_max: bool = False
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """``_leaf_flags`` over the floating leaves, ``False`` for the others.
+
+    Returns one scalar bool per leaf of ``leaves`` and, with ``with_max``, the
+    largest magnitude of each floating leaf (else an empty list).
+    """
     mode = validate_overflow_mode(mode)
     threshold = _threshold(compute_dtype)
-    leaves, treedef = jax.tree_util.tree_flatten(grads)
     checked = [i for i, g in enumerate(leaves) if _is_float(g)]
-    flags = _leaf_flags([jnp.asarray(leaves[i]) for i in checked], mode, threshold)
+    found = _leaf_flags([jnp.asarray(leaves[i]) for i in checked], mode, threshold, with_max)
+    flags, maxes = found if with_max else (found, [])
     out = [jnp.zeros([], jnp.bool_)] * len(leaves)
     for i, flag in zip(checked, flags, strict=True):
         out[i] = flag
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return out, maxes
 
 
 def _leaf_vector(
@@ -254,21 +267,11 @@ def _leaf_vector(
     its per-leaf overflow record. With ``with_max``: ``(vector, amax)``, amax
     as ``check_overflow_and_range`` measures it, from the same reductions.
     """
-    if not with_max:
-        flags = jax.tree_util.tree_leaves(overflow_flags(grads, mode, compute_dtype))
-        return jnp.stack(flags) if flags else jnp.zeros([0], jnp.bool_)
-    mode = validate_overflow_mode(mode)
-    threshold = _threshold(compute_dtype)
-    leaves = jax.tree_util.tree_leaves(grads)
-    checked = [i for i, g in enumerate(leaves) if _is_float(g)]
-    flags, maxes = _leaf_flags(
-        [jnp.asarray(leaves[i]) for i in checked], mode, threshold, with_max=True
+    flags, maxes = _every_leaf_flags(
+        jax.tree_util.tree_leaves(grads), mode, compute_dtype, with_max
     )
-    out = [jnp.zeros([], jnp.bool_)] * len(leaves)
-    for i, flag in zip(checked, flags, strict=True):
-        out[i] = flag
-    vector = jnp.stack(out) if out else jnp.zeros([0], jnp.bool_)
-    return vector, _max_of(maxes)
+    vector = jnp.stack(flags) if flags else jnp.zeros([0], jnp.bool_)
+    return (vector, _max_of(maxes)) if with_max else vector
 
 
 def _max_of(maxes: list[jax.Array]) -> jax.Array:
