@@ -830,6 +830,121 @@ def check_report(rounds: int, log: Callable[[str], None]) -> list[dict[str, Any]
 
 
 # --------------------------------------------------------------------------
+# Where the compile time goes: the post step built up one piece at a time.
+
+COMPILE_REPEATS = 3
+
+
+def _skeletons() -> dict[str, tuple[str, Callable, Callable]]:
+    """Post steps from the plain one towards the library's, each adding one piece.
+
+    ``name: (what it adds, step, init)``; a step is ``(params, state, grads) -> ...`` with
+    float16 grads and float32 params. Past ``plain`` the state is ``(adam_state, scale)``: the
+    scale is read at run time, as the library reads it.
+    """
+    adam = optax.adam(LR)
+
+    def init(params):
+        return adam.init(params), jnp.asarray(INIT_SCALE, F32)
+
+    def unscaled(params, state, grads):
+        adam_state, scale = state
+        inv = 1.0 / scale
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype) * inv, grads, params)
+        updates, adam_state = adam.update(grads, adam_state, params)
+        return optax.apply_updates(params, updates), (adam_state, scale)
+
+    def keep(params, state, grads):
+        return params, state
+
+    def cond(params, state, grads):
+        ok = jnp.isfinite(state[1])  # a predicate that reads no gradient
+        return lax.cond(ok, unscaled, keep, params, state, grads)
+
+    def check_cond(params, state, grads):
+        flags = numerics._leaf_vector(grads)  # what loss_scaling checks and records
+        ok = jnp.logical_not(jnp.any(flags))
+        return (*lax.cond(ok, unscaled, keep, params, state, grads), flags)
+
+    return {
+        "plain": (
+            "cast, Adam, apply (the baseline)",
+            variant_plain(None, "fp16grad")[1],
+            adam.init,
+        ),
+        "skel_unscale": ("+ unscale by a scale read at run time", unscaled, init),
+        "skel_cond": ("+ lax.cond on a predicate that reads no gradient", cond, init),
+        "skel_check_cond": (
+            "+ the overflow check as the predicate, its per-leaf record",
+            check_cond,
+            init,
+        ),
+    }
+
+
+def compile_report(workload: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Compile CPU seconds of the post step built up piece by piece, then the library's.
+
+    Every step is compiled from scratch (``jax.clear_caches``) ``COMPILE_REPEATS`` times and
+    the minimum is kept: compile times scatter by +-25% between identical compiles.
+    """
+    spec = WORKLOADS[workload]
+    rng = np.random.default_rng(0)
+    params = init_params(spec, "in_out", rng)
+    grads = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape), F16), params)
+    steps = _skeletons()
+    loss = make_loss(spec, "in_out")
+    for name, what in (
+        ("lsj_fused_ieee", "the library's fused step (policy, counters, record)"),
+        ("lsj_optax_ieee", "the library's Optax path (tx.update, apply_updates)"),
+        ("optax_if_finite", "optax.apply_if_finite (peer)"),
+    ):
+        _, post, init, _ = VARIANTS[name](loss, "fp16grad")
+        steps[name] = (what, post, init)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(COMPILE_REPEATS):
+        for name, (_, fn, init) in steps.items():
+            args = (_copy(params), init(params), grads)
+            jax.clear_caches()
+            c0 = time.process_time()
+            jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile()
+            times[name].append(time.process_time() - c0)
+    base = min(times["plain"])
+    rows = []
+    for name, (what, _, _) in steps.items():
+        best = min(times[name])
+        rows.append(
+            {
+                "workload": workload,
+                "step": name,
+                "adds": what,
+                "compile_cpu_s": best,
+                "all_s": times[name],
+                "x_plain": best / base,
+            }
+        )
+        log(f"  {workload:9s} {name:18s} compile {best:6.2f} s  x{best / base:5.2f}")
+    return rows
+
+
+def compile_table(report: list[dict[str, Any]] | None) -> str:
+    if not report:
+        return ""
+    lines = [
+        f"| step ({report[0]['workload']}, post) | adds | compile s, min of {COMPILE_REPEATS} "
+        "| x plain | all compiles, s |",
+        "|---|---|---:|---:|---|",
+    ]
+    for r in report:
+        every = ", ".join(f"{t:.2f}" for t in r["all_s"])
+        lines.append(
+            f"| {r['step']} | {r['adds']} | {r['compile_cpu_s']:.2f} | {r['x_plain']:.2f} "
+            f"| {every} |"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
 # Allocators, children, targets, tables.
 
 ALLOCATOR_LIBS = {
@@ -1031,6 +1146,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if meta.get("check_report"):
         lines += ["", "## The overflow check alone (ieee, float16 gradients)", ""]
         lines.append(check_table(meta["check_report"]))
+    if meta.get("compile_report"):
+        lines += ["", "## Where the compile time goes (CPU seconds, from scratch)", ""]
+        lines.append(compile_table(meta["compile_report"]))
     return "\n".join(lines) + "\n"
 
 
@@ -1115,6 +1233,11 @@ def update_docs(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path = D
             f"Quoted from `benchmarks/results.md` (same run as above, {max(meta['rounds'], 5)} "
             "interleaved calls each):\n\n" + check_table(meta["check_report"])
         )
+    if meta.get("compile_report"):
+        blocks["compile"] = (
+            "Quoted from `benchmarks/results.md` (same run as above):\n\n"
+            + compile_table(meta["compile_report"])
+        )
     for name, body in blocks.items():
         begin, end = _markers(name)
         if begin in text and end in text:
@@ -1172,7 +1295,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None, help="steps per variant per round")
     ap.add_argument(
-        "--check-report", action="store_true", help="time the check formulations (default run: on)"
+        "--check-report",
+        action="store_true",
+        help="time the check formulations and take the compile time apart (default run: on)",
     )
     ap.add_argument("--out", default=str(HERE), help="folder for results.json and results.md")
     ap.add_argument(
@@ -1281,6 +1406,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             shutil.rmtree(cache, ignore_errors=True)
     default_run = not (args.quick or args.cases or args.variants or args.skip_slow_peers)
     report = check_report(max(rounds, 5), _log) if (args.check_report or default_run) else None
+    compiles = compile_report("deep_300", _log) if (args.check_report or default_run) else None
     meta = {
         "command": "python benchmarks/bench_step.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -1295,6 +1421,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "allocators": allocators,
         "missing": missing,
         "check_report": report,
+        "compile_report": compiles,
     }
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / "results.md").write_text(markdown(rows, meta))

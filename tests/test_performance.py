@@ -379,6 +379,45 @@ def test_benchmark_quick_run(tmp_path):
     assert "| lsj_fused_ieee |" in table and (tmp_path / "results.json").exists()
 
 
+def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tmp_path):
+    """The compile-time breakdown: every piece compiles, the skeleton skips like the library
+    (no update on an inf gradient), and its table lands in the marked block of a doc."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "COMPILE_REPEATS", 1)
+    rows = bench.compile_report("tiny", lambda m: None)
+    assert [r["step"] for r in rows] == [
+        "plain",
+        "skel_unscale",
+        "skel_cond",
+        "skel_check_cond",
+        "lsj_fused_ieee",
+        "lsj_optax_ieee",
+        "optax_if_finite",
+    ]
+    assert rows[0]["x_plain"] == 1.0
+    assert all(r["compile_cpu_s"] > 0 and len(r["all_s"]) == 1 for r in rows)
+    # The skeleton is a real skip step: an inf leaves params and state as they were, and the
+    # per-leaf record names the leaf.
+    _, step, init = bench._skeletons()["skel_check_cond"]
+    params = bench.init_params(bench.WORKLOADS["tiny"], "in_out", np.random.default_rng(0))
+    grads = bench.to16(params)
+    state = init(params)
+    bad = dict(grads, **{"002": grads["002"].at[0, 0].set(jnp.inf)})
+    kept, kept_state, flags = jax.jit(step)(params, state, bad)
+    _assert_bitwise_equal((kept, kept_state), (params, state))
+    assert np.asarray(flags).tolist() == [k == "002" for k in sorted(params)]
+    moved, _, flags = jax.jit(step)(params, state, grads)
+    assert not np.asarray(flags).any() and not np.array_equal(moved["000"], params["000"])
+    doc = tmp_path / "performance.md"
+    begin, end = bench._markers("compile")
+    doc.write_text(f"before\n{begin}\nold\n{end}\nafter\n")
+    meta = {"compile_report": rows, "rounds": 1, "iters": 1, "command": "c", "machine": "m"}
+    meta.update(load_before="0", load_after="0", allocators=["default"], check_report=None)
+    assert "compile" in bench.update_docs([], meta, doc)
+    text = doc.read_text()
+    assert "old" not in text and "| skel_check_cond |" in text and text.endswith("after\n")
+
+
 def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     """A skipped step's updates are -0.0 (params + updates keeps -0.0 parameters): the same
     compiled step, op for op and byte for byte, as with +0.0 (which would not keep them)."""
