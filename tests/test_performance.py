@@ -457,6 +457,16 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     assert mem_n.temp_size_in_bytes == mem_p.temp_size_in_bytes
 
 
+def test_benchmark_prototypes_still_trace_and_stay_finite():
+    """Every `proto_*` variant (the formulations docs/performance.md compares against) runs
+    against the library as it is now: each compiles, trains and keeps its scale."""
+    bench = _bench()
+    names = ["plain", *bench.PROTOTYPES]
+    rows = bench.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
+    assert [r["variant"] for r in rows] == names
+    assert all(r["refused"] is None and r["conditionals"] == 1 for r in rows[1:]), rows
+
+
 def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
     bench = _bench()
