@@ -40,6 +40,20 @@ class LossScalingMultiStepsState(NamedTuple):
       window_range: float32, the largest gradient range (``amax``, see
         ``HeadroomScale``) of the current window's micro-batches so far.
         ``None`` unless the policy measures it (``policy.measures_range``).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx = lsj.loss_scaling_multi_steps(
+      ...     optax.sgd(0.1), lsj.DynamicScale(init_scale=8.0), every_k=2)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.full(2, 8.0)}, state, params)  # scaled by 8
+      >>> int(state.mini_step), state.acc_grads["w"].tolist(), updates["w"].tolist()
+      (1, [1.0, 1.0], [-0.0, -0.0])
+      >>> updates, state = tx.update({"w": jnp.full(2, 24.0)}, state, params)
+      >>> int(state.mini_step), updates["w"].tolist()   # -0.1 * mean(1, 3)
+      (0, [-0.20000000298023224, -0.20000000298023224])
     """
 
     loss_scale: LossScaleState

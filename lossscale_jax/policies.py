@@ -71,6 +71,15 @@ class LossScaleState(_ChexDataclass):
         measured. Other policies keep 0.
       margin: int32, the octaves ``HeadroomScale`` keeps between the scale and
         the headroom the gradients show. Other policies keep 0.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale_jax as lsj
+      >>> state = lsj.DynamicScale(init_scale=2.0**15).init()
+      >>> float(state.scale), state.scale.dtype, state.growth_count.dtype
+      (32768.0, dtype('float32'), dtype('int32'))
+      >>> float(state.replace(scale=jnp.float32(2.0**10)).scale)   # a new state, same dtypes
+      1024.0
     """
 
     scale: jax.Array
@@ -295,6 +304,22 @@ class LossScalePolicy:
     ``adjust`` obeys the policy whatever state it is given (a state restored
     from a checkpoint, or made by another policy): its result is always a
     state this policy can hold.
+
+    Examples:
+      >>> import lossscale_jax as lsj
+      >>> policy = lsj.DynamicScale(init_scale=8.0, growth_interval=2)
+      >>> isinstance(policy, lsj.LossScalePolicy)
+      True
+      >>> state = policy.init()
+      >>> state = policy.adjust(state, True)            # an overflow: back off, skip
+      >>> float(state.scale), bool(state.last_skipped)
+      (4.0, True)
+      >>> state = policy.adjust(policy.adjust(state, False), False)  # two good steps: grow
+      >>> float(state.scale), int(state.total_steps)
+      (8.0, 3)
+      >>> capped = lsj.DynamicScale(init_scale=4.0, max_scale=4.0)
+      >>> float(capped.conform(state).scale)            # into the other policy's bounds
+      4.0
     """
 
     #: Whether ``adjust`` takes the gradients' range (``amax=``) from the overflow

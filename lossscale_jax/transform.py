@@ -35,6 +35,18 @@ class LossScalingState(NamedTuple):
         scaled gradient overflowed at the last step (see ``attribution`` of
         ``loss_scaling``; ``overflowed_leaves`` names them). ``None`` when the
         transformation keeps no record (``attribution=None``).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+      >>> tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale(init_scale=8.0))
+      >>> state = tx.init(params)
+      >>> type(state).__name__, float(state.loss_scale.scale), state.leaf_overflow.tolist()
+      ('LossScalingState', 8.0, [False, False])
+      >>> _, state = tx.update({"a": jnp.ones(2), "b": jnp.full(3, jnp.inf)}, state, params)
+      >>> state.leaf_overflow.tolist(), int(state.inner_state[0].count)   # inner state untouched
+      ([False, True], 0)
     """
 
     loss_scale: LossScaleState
@@ -925,6 +937,20 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
 
     Raises:
       TypeError: if ``loss`` is not floating; ValueError if it is not a scalar.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**10))
+      >>> state = tx.init(params)
+      >>> loss16 = jnp.asarray(0.5, jnp.float16)
+      >>> scaled = lsj.scale_loss(loss16, state)
+      >>> float(scaled), scaled.dtype                   # promoted to float32
+      (512.0, dtype('float32'))
+      >>> grads = jax.grad(lambda p: lsj.scale_loss(jnp.sum(p["w"]) / 4, state))(params)
+      >>> grads["w"].tolist()                           # scaled: tx.update divides them back
+      [256.0, 256.0, 256.0]
     """
     scale = get_loss_scale_state(state).scale
     loss = jnp.asarray(loss)
