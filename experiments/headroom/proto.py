@@ -23,7 +23,14 @@ import model
 import numpy as np
 
 import lossscale_jax as lsj
-from lossscale_jax.policies import LossScalePolicy, LossScaleState, _clamp, _record, initial_state
+from lossscale_jax.policies import (
+    LossScalePolicy,
+    LossScaleState,
+    _clamp,
+    _pow2_target,
+    _record,
+    initial_state,
+)
 
 F16_MAX = float(jnp.finfo(jnp.float16).max)
 
@@ -34,15 +41,6 @@ class ProtoState(LossScaleState):
     peak: jax.Array  # float32: the held peak of amax
     # margin (int32, octaves kept below the headroom): LossScaleState's own field since the
     # library has HeadroomScale; this prototype predates it and keeps its peak separately.
-
-
-def _target(peak: jax.Array, margin: jax.Array) -> jax.Array:
-    """``2 ** (floor(log2(1 / peak)) - margin)`` in float32, exactly (frexp/ldexp)."""
-    inv = jnp.float32(1.0) / peak
-    _, exp = jnp.frexp(inv)
-    e = exp.astype(jnp.int32) - 1 - margin
-    out = jnp.ldexp(jnp.float32(1.0), jnp.minimum(e, 128))
-    return jnp.where(jnp.isfinite(inv), out, jnp.float32(jnp.inf))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +76,7 @@ class HeadroomProto(LossScalePolicy):
         }
         remember = jnp.logical_and(jnp.logical_not(blind), bump[h.bump])
         peak_bad = jnp.where(remember, jnp.maximum(peak, f32(1.0) / scale), peak)
-        informed = jnp.minimum(scale * f32(0.5), _target(peak_bad, margin_bad))
+        informed = jnp.minimum(scale * f32(0.5), _pow2_target(peak_bad, margin_bad))
         scale_bad = jnp.where(blind, scale * f32(h.blind_backoff), informed)
 
         # Good branch.
@@ -87,7 +85,9 @@ class HeadroomProto(LossScalePolicy):
         give_back = jnp.logical_and(good_good >= h.margin_interval, margin > h.min_margin)
         margin_good = jnp.where(give_back, margin - 1, margin)
         good_good = jnp.where(give_back, zero, good_good)
-        scale_good = jnp.where(peak_good > 0, _target(peak_good, margin_good), scale * f32(2.0))
+        scale_good = jnp.where(
+            peak_good > 0, _pow2_target(peak_good, margin_good), scale * f32(2.0)
+        )
 
         new = jnp.where(overflow, scale_bad, scale_good)
         return _record(
