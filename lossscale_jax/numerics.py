@@ -315,10 +315,8 @@ def check_overflow_and_range(
       >>> bool(overflow), float(amax)
       (False, 300.0)
     """
-    mode = validate_overflow_mode(mode)
-    threshold = _threshold(compute_dtype)
-    leaves = [jnp.asarray(g) for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
-    flags, maxes = _leaf_flags(leaves, mode, threshold, with_max=True)
+    leaves = [g for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
+    flags, maxes = _every_leaf_flags(leaves, mode, compute_dtype, with_max=True)
     return _reduce_any(flags), _max_of(maxes)
 
 
@@ -358,10 +356,8 @@ def check_overflow(
       >>> bool(lsj.check_overflow(g, "ieee")), bool(lsj.check_overflow(g, "saturating"))
       (False, True)
     """
-    mode = validate_overflow_mode(mode)
-    threshold = _threshold(compute_dtype)
-    leaves = [jnp.asarray(g) for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
-    return _reduce_any(_leaf_flags(leaves, mode, threshold))
+    leaves = [g for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
+    return _reduce_any(_every_leaf_flags(leaves, mode, compute_dtype)[0])
 
 
 def _unscaled_dtype(g: jax.Array, p: Any) -> Any:
