@@ -1,10 +1,19 @@
-"""lossscale_jax: loss scaling for mixed-precision training in JAX, as Optax transformations."""
+"""lossscale_jax: loss scaling for mixed-precision training in JAX, as Optax transformations.
 
-from lossscale_jax import compat, testing
+``import lossscale_jax`` loads JAX, Optax and chex only. The Flax integration
+(``TrainState``, ``LossScaleOptimizer``) and the compatibility constructors
+(``compat``) load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lossscale_jax import _flax_serialization, errors, testing
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
 from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orbax
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, diagnose
-from lossscale_jax.flax_utils import LossScaleOptimizer, TrainState
 from lossscale_jax.fused import apply_gradients
 from lossscale_jax.numerics import (
     check_overflow,
@@ -33,8 +42,38 @@ from lossscale_jax.transform import (
     switch_policy,
 )
 
+if TYPE_CHECKING:
+    from lossscale_jax import compat
+    from lossscale_jax.flax_utils import LossScaleOptimizer, TrainState
+
 #: The version of this release, read by the build backend (pyproject.toml).
 __version__ = "0.1.0"
+
+# flax.serialization round-trips a LossScaleState once Flax loads, without this import
+# loading it.
+_flax_serialization.install()
+
+# Names whose module loads on first use: (module, attribute or None for the module).
+_LAZY = {
+    "LossScaleOptimizer": ("lossscale_jax.flax_utils", "LossScaleOptimizer"),
+    "TrainState": ("lossscale_jax.flax_utils", "TrainState"),
+    "compat": ("lossscale_jax.compat", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attribute = _LAZY[name]
+        module = importlib.import_module(module_name)
+        value = module if attribute is None else getattr(module, attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lossscale_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Diagnosis",
@@ -53,10 +92,11 @@ __all__ = [
     "__version__",
     "apply_gradients",
     "check_checkpoint",
-    "compat",
     "check_overflow",
     "check_overflow_and_range",
+    "compat",
     "diagnose",
+    "errors",
     "get_loss_scale_state",
     "loss_scaling",
     "loss_scaling_multi_steps",

@@ -41,7 +41,10 @@ def _regions(ax: Any, lo: float, hi: float, legend: bool) -> None:
         )
 
 
-def plot(diagnosis: Any, path: str | os.PathLike | None, *, max_leaves: int = 40) -> Any:
+def plot(
+    diagnosis: Any, path: str | os.PathLike | None, *, max_leaves: int = 40, log2_min: int
+) -> Any:
+    """The figure of ``Diagnosis.plot``; ``log2_min`` is the exponent of the first histogram bin."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -49,15 +52,13 @@ def plot(diagnosis: Any, path: str | os.PathLike | None, *, max_leaves: int = 40
             "Diagnosis.plot needs matplotlib, an optional dependency: "
             "pip install 'lossscale_jax[plot]' (or pip install matplotlib)."
         ) from e
-    from lossscale_jax.diagnosis import LOG2_MIN
-
     leaves = diagnosis.leaves
     shift_scale = diagnosis.recommended_scale or diagnosis.scale
     shift = math.log2(shift_scale)
     hist = np.sum([leaf.log2_histogram for leaf in leaves], axis=0)
     used = np.nonzero(hist)[0]
-    data_lo = float(used[0] + LOG2_MIN) if used.size else -30.0
-    data_hi = float(used[-1] + LOG2_MIN + 1) if used.size else 0.0
+    data_lo = float(used[0] + log2_min) if used.size else -30.0
+    data_hi = float(used[-1] + log2_min + 1) if used.size else 0.0
     lo = min(data_lo, -30.0) - 2
     hi = max(data_hi + shift, 20.0) + 2
 
@@ -68,7 +69,7 @@ def plot(diagnosis: Any, path: str | os.PathLike | None, *, max_leaves: int = 40
     )
 
     # The whole model: fraction of nonzero entries per binade, unscaled and shifted.
-    x = np.arange(hist.size) + LOG2_MIN
+    x = np.arange(hist.size) + log2_min
     frac = hist / max(hist.sum(), 1)
     _regions(top, lo, hi, legend=True)
     top.bar(x, frac, width=1.0, align="edge", color="0.45", label="|g| (float32 reference)")
@@ -92,8 +93,8 @@ def plot(diagnosis: Any, path: str | os.PathLike | None, *, max_leaves: int = 40
         nz = np.nonzero(h)[0]
         if nz.size == 0:
             continue
-        mn, mx = nz[0] + LOG2_MIN, nz[-1] + LOG2_MIN + 1
-        p5, p95 = _percentile(h, 0.05, LOG2_MIN), _percentile(h, 0.95, LOG2_MIN) + 1
+        mn, mx = nz[0] + log2_min, nz[-1] + log2_min + 1
+        p5, p95 = _percentile(h, 0.05, log2_min), _percentile(h, 0.95, log2_min) + 1
         y = len(drawn) - 1 - row
         for dx, color, dy in ((0.0, "0.35", 0.14), (shift, "#1f77b4", -0.14)):
             bottom.plot([mn + dx, mx + dx], [y + dy] * 2, color=color, lw=1.0)

@@ -1,8 +1,9 @@
 """Saving and restoring optimizer states that hold a ``LossScaleState``.
 
-Orbax handles ``LossScaleState`` as it is (a registered pytree). For
-``flax.serialization`` this module registers it as a state dict of its
-fields, so ``flax.serialization.to_bytes``/``from_bytes`` round-trip it.
+Orbax handles ``LossScaleState`` as it is (a registered pytree).
+``flax.serialization`` knows it as a state dict of its fields, so
+``flax.serialization.to_bytes``/``from_bytes`` round-trip it (registered when
+Flax's serialization module loads; ``import lossscale_jax`` loads no Flax).
 ``restore_orbax`` and ``restore_flax`` check the checkpoint's structure
 against the optimizer state before restoring, so a checkpoint saved
 without loss scaling fails with an error that says so. Given ``policy=``,
@@ -12,46 +13,38 @@ under another policy): ``switch_policy`` is the way to continue with it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, cast
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from flax import serialization
 
-from lossscale_jax.policies import LossScalePolicy, LossScaleState
+from lossscale_jax._flax_serialization import FIELDS
+from lossscale_jax._state import LossScaleState, is_loss_scale_state
+from lossscale_jax.errors import CheckpointError, CheckpointPolicyError, CheckpointVersionError
+from lossscale_jax.policies._base import LossScalePolicy, check_policy
 
-_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossScaleState))
+__all__ = ["check_checkpoint", "restore_flax", "restore_orbax"]
+
 # Fields whose presence marks a subtree of a checkpoint as a loss-scale state.
 _MARKERS = frozenset({"scale", "growth_count", "hysteresis_count"})
-# Fields added after 0.1.0: of LossScaleState, and of the state that holds it
-# (LossScalingState, LossScalingMultiStepsState). A checkpoint without them was
-# saved by an earlier version.
-_ADDED_FIELDS = ("recent_overflow_rate", "range_peak", "margin")
-_ADDED_OWNER_FIELDS = ("leaf_overflow",)
-
-
-def _state_dict(state: LossScaleState) -> dict[str, Any]:
-    return {name: serialization.to_state_dict(getattr(state, name)) for name in _FIELDS}
-
-
-def _from_state_dict(target: LossScaleState, state: dict[str, Any]) -> LossScaleState:
-    missing = [n for n in _FIELDS if n not in state]
-    unknown = sorted(set(state) - set(_FIELDS))
-    if missing or unknown:
-        raise ValueError(
-            f"the checkpoint's LossScaleState does not match this version's fields: "
-            f"missing {missing}, unknown {unknown} (at {serialization.current_path()!r})."
-        )
-    return target.replace(
-        **{n: serialization.from_state_dict(getattr(target, n), state[n], name=n) for n in _FIELDS}
-    )
-
-
-serialization.register_serialization_state(
-    LossScaleState, _state_dict, _from_state_dict, override=True
-)
+# Fields added after 0.1.0, of LossScaleState and of the states holding it
+# (LossScalingState, LossScalingMultiStepsState), with what each holds. A checkpoint
+# without them was saved by an earlier version.
+_ADDED_FIELDS = {
+    "recent_overflow_rate": "the recent overflow rate",
+    "range_peak": "HeadroomScale's held peak of the range (0 under other policies)",
+    "margin": "HeadroomScale's margin (0 under other policies)",
+}
+_ADDED_OWNER_FIELDS = {
+    "leaf_overflow": "the per-leaf overflow record",
+    "window_range": (
+        "the window's measured range under accumulation (HeadroomScale's; now kept, 0, under "
+        "every policy, so a checkpoint moves between policies)"
+    ),
+    "window_leaf_overflow": "the per-leaf record of the window in progress",
+}
 
 
 def _key_name(key: Any) -> str:
@@ -88,56 +81,66 @@ def _is_value(x: Any) -> bool:
     return isinstance(x, np.ndarray | np.generic | jax.Array | int | float | bool)
 
 
-def _check_policy(tree: Any, policy: LossScalePolicy | None) -> None:
-    """Raises ``ValueError`` for a LossScaleState in ``tree`` that ``policy`` would not hold.
+_NO_VALUES = (
+    "check_checkpoint(policy=...) needs the checkpoint's values; an Orbax metadata tree has "
+    "none: use restore_orbax(path, target, policy=policy), which checks after reading them."
+)
+
+
+def _saved_states(tree: Any) -> list[tuple[str, LossScaleState]]:
+    """Every loss-scale state of ``tree``, with where it sits.
 
     ``tree`` holds values: a restored pytree (``LossScaleState`` nodes) or a
     ``flax.serialization`` state dict (a dict of the fields per loss-scale state).
     """
-    if policy is None:
-        return
-    if not isinstance(policy, LossScalePolicy):
-        raise TypeError(
-            "policy must be a lossscale_jax policy (NoScale, StaticScale, DynamicScale), "
-            f"got {policy!r}."
-        )
     states: list[tuple[str, LossScaleState]] = []
-    for path, x in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, LossScaleState)
-    )[0]:
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_loss_scale_state)[0]:
         if isinstance(x, LossScaleState):
             states.append((_fmt(tuple(_key_name(k) for k in path)), x))
-    if not states:
-        table = _leaf_table_paths(tree)
-        for prefix in _loss_scale_prefixes(table):
-            node = tree
-            for name in prefix:
-                node = node[name] if isinstance(node, dict) else node[int(name)]
-            values = {n: node[n] for n in _FIELDS if n in node}
-            if not all(_is_value(v) for v in values.values()):
-                raise TypeError(
-                    "check_checkpoint(policy=...) needs the checkpoint's values; an Orbax "
-                    "metadata tree has none: use restore_orbax(path, target, policy=policy), "
-                    "which checks after reading them."
-                )
-            state = serialization.from_state_dict(policy.init(), values)
-            states.append((_fmt(prefix), cast(LossScaleState, state)))
-    for where, state in states:
+    if states:
+        return states
+    for prefix in _loss_scale_prefixes(_leaf_table_paths(tree)):
+        node = tree
+        for name in prefix:
+            node = node[name] if isinstance(node, dict) else node[int(name)]
+        values = {n: node[n] for n in FIELDS if n in node}
+        if not all(_is_value(v) for v in values.values()):
+            raise TypeError(_NO_VALUES)
+        states.append((_fmt(prefix), _as_state(values)))
+    return states
+
+
+def _as_state(values: dict[str, Any]) -> LossScaleState:
+    """A ``LossScaleState`` of the saved field values (any leading axes; a field the
+    checkpoint lacks is 0, which ``conform`` reads as nothing measured)."""
+    return LossScaleState(**{n: jnp.asarray(values.get(n, 0)) for n in FIELDS})
+
+
+def _check_policy(tree: Any, policy: LossScalePolicy | None) -> None:
+    """Raises ``CheckpointPolicyError`` for a loss-scale state ``policy`` would not hold.
+
+    A state may carry leading axes (one value per device, from ``jax.pmap``): every
+    element is checked.
+    """
+    if policy is None:
+        return
+    policy = check_policy(policy)
+    for where, state in _saved_states(tree):
         if not _is_value(state.scale):
-            raise TypeError(
-                "check_checkpoint(policy=...) needs the checkpoint's values; an Orbax "
-                "metadata tree has none: use restore_orbax(path, target, policy=policy), "
-                "which checks after reading them."
-            )
+            raise TypeError(_NO_VALUES)
         have = np.asarray(state.scale, np.float32)
         want = np.asarray(policy.conform(state).scale, np.float32)
-        if not np.array_equal(have, want):
-            raise ValueError(
-                f"The checkpoint's loss-scale state at {where!r} has scale {float(have)!r}, "
-                f"which {policy!r} would not hold (it keeps {float(want)!r}): it was saved "
-                "under another policy. To continue under this one, restore without policy= "
-                "and call lossscale_jax.switch_policy(restored, policy) (it moves the scale "
-                "and keeps the counters)."
+        same = (have == want) | (np.isnan(have) & np.isnan(want))
+        if not np.all(same):
+            index = np.unravel_index(int(np.flatnonzero(~same)[0]), have.shape)
+            at = f" (element {tuple(int(i) for i in index)} of {have.shape})" if have.ndim else ""
+            raise CheckpointPolicyError(
+                f"The checkpoint's loss-scale state at {where!r} has scale "
+                f"{float(have[index])!r}{at}, which {policy!r} would not hold (it keeps "
+                f"{float(want[index])!r}): it was saved under another policy. To continue "
+                "under this one, restore without policy= and call "
+                "lossscale_jax.switch_policy(restored, policy) (it moves the scale and keeps "
+                "the counters)."
             )
 
 
@@ -170,8 +173,10 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
       policy: optional; the policy the restored state will be used with.
 
     Raises:
-      ValueError: naming the missing loss-scale state, or the first leaves that
-        are missing, unexpected or of another shape or dtype; or a loss-scale
+      errors.CheckpointError: (a ``ValueError``) naming the missing loss-scale
+        state, or the first leaves that are missing, unexpected or of another
+        shape or dtype; ``errors.CheckpointVersionError`` for fields an earlier
+        version did not save; ``errors.CheckpointPolicyError`` for a loss-scale
         state whose scale ``policy`` would not hold.
       TypeError: if ``policy`` is given with an Orbax metadata tree (no values).
 
@@ -191,7 +196,7 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
     want_ls = _loss_scale_prefixes(want)
     have_ls = _loss_scale_prefixes(have)
     if want_ls and not have_ls:
-        raise ValueError(
+        raise CheckpointError(
             "The checkpoint holds no loss-scale state: the optimizer state expects one at "
             f"{', '.join(_fmt(p) for p in want_ls)!r} (lossscale_jax.loss_scaling), so the "
             "checkpoint was probably saved without loss scaling. Restore it into the inner "
@@ -199,32 +204,35 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
             "tx.init(params)._replace(inner_state=restored)."
         )
     if have_ls and not want_ls:
-        raise ValueError(
+        raise CheckpointError(
             "The checkpoint holds a loss-scale state at "
             f"{', '.join(_fmt(p) for p in have_ls)!r} but the optimizer state has none: build "
             "the optimizer with lossscale_jax.loss_scaling(...) as when the checkpoint was saved."
         )
+    added = {
+        **{(n, False): d for n, d in _ADDED_FIELDS.items()},
+        **{(n, True): d for n, d in _ADDED_OWNER_FIELDS.items()},
+    }
     gaps = [
-        path
+        (path, note)
         for prefix in want_ls
-        for path in [prefix + (n,) for n in _ADDED_FIELDS]
-        + [prefix[:-1] + (n,) for n in _ADDED_OWNER_FIELDS]
+        for (name, owner), note in added.items()
+        for path in [(prefix[:-1] if owner else prefix) + (name,)]
         if path in want and path not in have
     ]
     if gaps:
-        raise ValueError(
+        listed = "; ".join(f"{_fmt(p)} ({note})" for p, note in gaps)
+        raise CheckpointVersionError(
             "The checkpoint was saved by an earlier version of lossscale_jax: it lacks "
-            f"{[_fmt(p) for p in gaps]} (the recent overflow rate, the per-leaf overflow "
-            "record and HeadroomScale's range_peak and margin, added in this version). Fill "
-            "them in before restoring: see "
-            "docs/reliability.md, 'Checkpoints from an earlier version'."
+            f"{listed}. Fill them in before restoring: see docs/reliability.md, "
+            "'Checkpoints from an earlier version'."
         )
     for prefix in want_ls:
         if prefix in have_ls:
             mine = {p[-1] for p in want if p[:-1] == prefix}
             theirs = {p[-1] for p in have if p[:-1] == prefix}
             if mine != theirs:
-                raise ValueError(
+                raise CheckpointError(
                     f"The checkpoint's loss-scale state at {_fmt(prefix)!r} does not match "
                     f"LossScaleState: missing fields {sorted(mine - theirs)}, unknown fields "
                     f"{sorted(theirs - mine)}."
@@ -232,7 +240,7 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
     missing = [p for p in want if p not in have]
     unexpected = [p for p in have if p not in want]
     if missing or unexpected:
-        raise ValueError(
+        raise CheckpointError(
             "The checkpoint does not match the optimizer state's structure: "
             f"{len(missing)} leaves missing from the checkpoint "
             f"{[_fmt(p) for p in missing[:3]]}, {len(unexpected)} unexpected "
@@ -240,7 +248,7 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
         )
     for path, (shape, dtype) in want.items():
         if have[path] != (shape, dtype):
-            raise ValueError(
+            raise CheckpointError(
                 f"The checkpoint's leaf {_fmt(path)!r} has shape {have[path][0]} and dtype "
                 f"{have[path][1]}; the optimizer state expects shape {shape} and dtype {dtype}."
             )
@@ -281,6 +289,8 @@ def restore_flax(
       >>> float(restored.loss_scale.scale)
       8.0
     """
+    from flax import serialization
+
     state_dict: Any  # whatever the bytes hold; check_checkpoint compares it with target
     if isinstance(encoded, bytes | bytearray):
         state_dict = serialization.msgpack_restore(bytes(encoded))

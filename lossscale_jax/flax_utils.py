@@ -4,7 +4,7 @@
 ``LossScaleOptimizer`` subclasses Flax NNX's ``nnx.Optimizer``. Both apply the
 gradients through a ``loss_scaling`` (or ``loss_scaling_multi_steps``)
 transformation and read what the update did from the new optimizer state
-(``accumulation._step_outcome``): whether an optimizer step completed, whether
+(``step_outcome``): whether an optimizer step completed, whether
 it was applied, and whether this call's model collections must be discarded.
 
 Mixed precision itself is Flax's own: build the model with
@@ -22,21 +22,37 @@ import optax
 from flax import nnx, struct
 from flax.training import train_state
 
-from lossscale_jax.accumulation import _step_outcome, _StepOutcome
+from lossscale_jax._engine import engine_of
+from lossscale_jax._nesting import locate
+from lossscale_jax._opt_states import LossScalingState, StepOutcome, step_outcome
+from lossscale_jax.errors import NestingError, StateNotFoundError
 from lossscale_jax.fused import apply_gradients
-from lossscale_jax.transform import LossScalingState
+
+__all__ = ["LossScaleOptimizer", "TrainState"]
+
+
+def _outcome(opt_state: Any) -> StepOutcome:
+    """What the update that produced ``opt_state`` did (see ``step_outcome``)."""
+    _, owner = locate(opt_state)
+    outcome = step_outcome(owner)
+    if outcome is None:
+        raise StateNotFoundError(
+            "the optimizer state holds a bare LossScaleState, not the state of "
+            "lossscale_jax.loss_scaling or loss_scaling_multi_steps: build tx with one of them."
+        )
+    return outcome
 
 
 def _check_loss_scaled(opt_state: Any, where: str) -> None:
     try:
-        _step_outcome(opt_state)
-    except ValueError as e:
-        if str(e).startswith(("opt_state contains", "the optimizer state holds a bare")):
-            raise ValueError(
-                f"{where}: tx must contain exactly one lossscale_jax.loss_scaling(...) "
-                f"or loss_scaling_multi_steps(...) transformation ({e})"
-            ) from None
-        raise ValueError(f"{where}: {e}") from None
+        _outcome(opt_state)
+    except StateNotFoundError as e:
+        raise StateNotFoundError(
+            f"{where}: tx must contain exactly one lossscale_jax.loss_scaling(...) "
+            f"or loss_scaling_multi_steps(...) transformation ({e})"
+        ) from None
+    except NestingError as e:
+        raise NestingError(f"{where}: {e}") from None
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -45,28 +61,23 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def _is_fusable(tx: Any, opt_state: Any) -> bool:
-    """Whether ``tx`` is a bare ``loss_scaling`` transformation (the fused step applies)."""
-    parts = getattr(getattr(tx, "update", None), "loss_scaling_parts", None)
-    return parts is not None and isinstance(opt_state, LossScalingState)
-
-
 def _apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra_args):
     """One optimizer step; returns ``(new_params, new_opt_state, outcome)``.
 
     The fused ``apply_gradients`` when ``tx`` is ``loss_scaling(...)`` itself; the Optax
     path (``tx.update`` + ``optax.apply_updates``) when it is wrapped (``optax.chain``,
-    ``MultiSteps``, ...). Both give bit-identical parameters.
+    ``MultiSteps``, ...) or another front-end. Both give bit-identical parameters.
     """
-    if _is_fusable(tx, opt_state):
+    built = engine_of(tx)
+    if built is not None and built.fusable and isinstance(opt_state, LossScalingState):
         new_params, new_opt_state = apply_gradients(tx, grads, opt_state, params, **extra_args)
     else:
         updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
         new_params = optax.apply_updates(params, updates)
-    return new_params, new_opt_state, _step_outcome(new_opt_state)
+    return new_params, new_opt_state, _outcome(new_opt_state)
 
 
-def _advance(step: Any, outcome: _StepOutcome, count_skipped: bool) -> jax.Array:
+def _advance(step: Any, outcome: StepOutcome, count_skipped: bool) -> jax.Array:
     """``step + 1`` for each applied update (each completed one if ``count_skipped``)."""
     step = jnp.asarray(step)
     one = jnp.ones([], step.dtype)

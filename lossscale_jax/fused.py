@@ -8,18 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax import numerics
-from lossscale_jax.transform import LossScalingState, _cond
+from lossscale_jax._engine import check_state, engine_of
+from lossscale_jax._opt_states import LossScalingState
 
-
-def _parts(tx: Any) -> Any:
-    parts = getattr(getattr(tx, "update", None), "loss_scaling_parts", None)
-    if parts is None:
-        raise TypeError(
-            "tx must be the transformation returned by lossscale_jax.loss_scaling(...) "
-            f"itself (not wrapped in optax.chain, MultiSteps, ...), got {tx!r}."
-        )
-    return parts
+__all__ = ["apply_gradients"]
 
 
 def apply_gradients(
@@ -62,7 +54,9 @@ def apply_gradients(
       ``(new_params, new_opt_state)``.
 
     Raises:
-      TypeError: if ``tx`` was not built by ``loss_scaling``.
+      TypeError: if ``tx`` was not built by ``loss_scaling`` (a ``loss_scaling``
+        inside ``optax.chain`` or ``loss_scaling_multi_steps`` runs on the Optax path:
+        ``tx.update`` + ``optax.apply_updates``), or ``opt_state`` is not its state.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -76,14 +70,18 @@ def apply_gradients(
       >>> params["w"]
       Array([0.8, 0.8, 0.8], dtype=float32)
     """
-    parts = _parts(tx)
-    if not isinstance(opt_state, LossScalingState):
+    built = engine_of(tx)
+    if built is None or not built.fusable:
         raise TypeError(
-            "opt_state must be the state of tx (a LossScalingState), "
-            f"got {type(opt_state).__name__}."
+            "tx must be the transformation returned by lossscale_jax.loss_scaling(...) "
+            f"itself (not wrapped in optax.chain, MultiSteps, ...), got {tx!r}. Wrapped "
+            "transformations run on the Optax path: tx.update + optax.apply_updates."
         )
-    loss_scale, apply, record = parts.decide(grads, opt_state.loss_scale, opt_state.leaf_overflow)
-    scale = opt_state.loss_scale.scale
+    engine, inner = built.engine, built.inner
+    state = check_state(opt_state, LossScalingState, "apply_gradients")
+    scale = state.loss_scale.scale
+    check = engine.check(grads, scale, state.leaf_overflow)
+    loss_scale, apply = engine.decide(state.loss_scale, check)
 
     # ``neg_zero`` is -0.0 whenever the good branch runs, but XLA cannot know
     # it. Adding it to the updates (exact: u + -0.0 == u, signs of zeros
@@ -93,19 +91,18 @@ def apply_gradients(
     # path, where the updates cross the conditional's boundary in memory.
     neg_zero = jnp.where(apply, jnp.float32(-0.0), jnp.float32(1.0))
 
-    def good(operands):
+    def good(operands: Any) -> Any:
         g, inner_state, p, neg_zero = operands
-        g = numerics.unscale(g, scale, p)
-        updates, inner_state = parts.inner.update(g, inner_state, p, **extra_args)
+        g = engine.unscale(g, scale, p)
+        updates, inner_state = inner.update(g, inner_state, p, **extra_args)
         updates = jax.tree_util.tree_map(lambda u: u + neg_zero.astype(u.dtype), updates)
         return optax.apply_updates(p, updates), inner_state
 
-    def skip(operands):
+    def skip(operands: Any) -> Any:
         _, inner_state, p, _ = operands
         return p, inner_state
 
-    # Good branch first: XLA:CPU inserts fewer copies for this order.
-    new_params, inner_state = _cond(
-        apply, good, skip, (grads, opt_state.inner_state, params, neg_zero)
+    new_params, inner_state = engine.select(
+        apply, good, skip, (grads, state.inner_state, params, neg_zero)
     )
-    return new_params, LossScalingState(loss_scale, inner_state, record)
+    return new_params, LossScalingState(loss_scale, inner_state, check.flags)

@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from lossscale_jax.policies import LossScaleState
+from lossscale_jax._state import LossScaleState
 
 ON_STUCK: tuple[str, ...] = ("skip", "error")
 

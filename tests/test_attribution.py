@@ -182,8 +182,10 @@ def test_pmap_fault_on_one_device(attribution):
 @settings(max_examples=10)
 @given(st.lists(st.lists(st.booleans(), min_size=3, max_size=3), min_size=7, max_size=7))
 def test_accumulation_record_is_the_or_over_the_window(schedule):
-    """Seven micro-batches, windows of three: after each, the record is the OR of the
-    window's micro-batches so far; a new window starts it afresh."""
+    """Seven micro-batches, windows of three. The window in progress keeps the OR of its
+    micro-batches so far (``window_leaf_overflow``); ``overflowed_leaves`` and ``metrics``
+    report the last completed window, also between its micro-batches, so they agree with
+    ``metrics()["overflow"]`` at every call."""
     every_k = 3
     step = _accumulation_step(every_k)
     params = {"a": jnp.ones((3,), jnp.float32), "b": jnp.ones((2, 2), jnp.float32)}
@@ -191,6 +193,7 @@ def test_accumulation_record_is_the_or_over_the_window(schedule):
     names = ["['a']", "['b']", "['c']"]
     state = _ACC_TX.init(params)
     window: set[str] = set()
+    completed: set[str] = set()
     for t, hits in enumerate(schedule):
         if t % every_k == 0:
             window = set()
@@ -198,9 +201,16 @@ def test_accumulation_record_is_the_or_over_the_window(schedule):
         hits = jax.device_put(np.asarray(hits))
         with jax.transfer_guard("disallow"):
             state = step(params, state, hits)
-        assert set(lsj.overflowed_leaves(state, params)) == window, (t, schedule)
         if t % every_k == every_k - 1:  # the window ended: its skip decision matches
+            completed = set(window)
             assert bool(state.loss_scale.last_overflow) == bool(window)
+        record = np.asarray(state.window_leaf_overflow)
+        running = {n for n, f in zip(names, record, strict=True) if f}
+        assert running == (set() if t % every_k == every_k - 1 else window), (t, schedule)
+        assert set(lsj.overflowed_leaves(state, params)) == completed, (t, schedule)
+        m = lsj.metrics(state)
+        assert bool(m["overflow"]) == bool(completed)
+        assert int(m["overflow_leaves"]) == len(completed)
     assert _ACC_TRACES == [1]
 
 

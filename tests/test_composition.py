@@ -34,7 +34,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale_jax as lsj
-from lossscale_jax.transform import _locate
 
 K = 3  # micro-batches per window
 MODES = ("ieee", "saturating", "both")
@@ -123,7 +122,15 @@ class View(NamedTuple):
 
 
 def inner_of(opt_state: Any) -> Any:
-    return _locate(opt_state)[1].inner_state
+    """The inner optimizer's state of the one loss-scaling state in ``opt_state``."""
+    owners = (lsj.LossScalingState, lsj.LossScalingMultiStepsState)
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, owners))
+        if isinstance(x, owners)
+    ]
+    assert len(found) == 1, found
+    return found[0].inner_state
 
 
 # ------------------------------------------------------------------ runners

@@ -383,8 +383,22 @@ def test_a_policy_subclass_without_conform_says_so():
         def init(self):
             return lsj.StaticScale(2.0).init()
 
+        def adjust(self, state, overflow, amax=None):
+            return lsj.StaticScale(2.0).adjust(state, overflow)
+
     with pytest.raises(NotImplementedError, match="does not implement conform"):
         Mine().conform(Mine().init())
+
+
+def test_a_policy_subclass_without_adjust_is_refused_when_built():
+    """``init`` and ``adjust`` are abstract: a policy without them cannot be built."""
+
+    class Mine(lsj.LossScalePolicy):
+        def init(self):
+            return lsj.StaticScale(2.0).init()
+
+    with pytest.raises(TypeError, match="abstract method.*adjust"):
+        Mine()
 
 
 @pytest.mark.parametrize(

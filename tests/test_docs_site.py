@@ -108,7 +108,8 @@ def test_readme_is_the_index_with_its_links_rewritten(site):
 def _public_paths() -> set[str]:
     """Every public name the API reference must show, computed from the package."""
     paths = {f"lossscale_jax.{n}" for n in lossscale_jax.__all__}
-    paths -= {"lossscale_jax.compat", "lossscale_jax.testing"}  # pages of their own
+    # pages of their own
+    paths -= {"lossscale_jax.compat", "lossscale_jax.testing", "lossscale_jax.errors"}
     for namespace in compat.__all__:
         obj = getattr(compat, namespace)
         members = (
@@ -118,6 +119,7 @@ def _public_paths() -> set[str]:
         )
         paths |= {f"lossscale_jax.compat.{namespace}.{m}" for m in members}
     paths |= {f"lossscale_jax.testing.{n}" for n in testing.__all__}
+    paths |= {f"lossscale_jax.errors.{n}" for n in lossscale_jax.errors.__all__}
     for name in lossscale_jax.__all__:
         obj = getattr(lossscale_jax, name)
         if inspect.isclass(obj):

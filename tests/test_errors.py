@@ -116,7 +116,18 @@ def policy_without_conform():
         def init(self):
             return lsj.StaticScale(2.0).init()
 
+        def adjust(self, state, overflow, amax=None):
+            return lsj.StaticScale(2.0).adjust(state, overflow)
+
     lsj.switch_policy(STATE, Mine())
+
+
+def policy_without_adjust():
+    class Mine(lsj.LossScalePolicy):
+        def init(self):
+            return lsj.StaticScale(2.0).init()
+
+    Mine()
 
 
 # (mistake, call, exception, message excerpt as it appears in docs/errors.md)
@@ -460,6 +471,12 @@ CASES = [
         NotImplementedError,
         "does not implement conform(state)",
     ),
+    (
+        "policy without adjust",
+        policy_without_adjust,
+        TypeError,
+        "Can't instantiate abstract class Mine",
+    ),
 ]
 
 
@@ -665,12 +682,6 @@ CASES += [
         lambda: compat.torch.multi_optimizer([optax.sgd(0.1)], "a", compat.torch.GradScaler()),
         TypeError,
         "transforms must be a non-empty mapping",
-    ),
-    (
-        "multi_optimizer headroom",
-        lambda: compat.torch.multi_optimizer({"a": optax.sgd(0.1)}, "a", lsj.HeadroomScale()),
-        ValueError,
-        "sets its scale from the gradients' range, which multi_optimizer does not measure",
     ),
 ]
 

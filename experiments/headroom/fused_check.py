@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lossscale_jax import numerics
+from lossscale_jax import _check, numerics
 
 
 def _or_max(a, b):
@@ -30,8 +30,8 @@ def _magnitude(g):
 
 def check_and_amax(grads, mode="ieee", compute_dtype=jnp.float16):
     mode = numerics.validate_overflow_mode(mode)
-    threshold = numerics._threshold(compute_dtype)
-    leaves = [jnp.asarray(g) for g in jax.tree_util.tree_leaves(grads) if numerics._is_float(g)]
+    threshold = _check.threshold(compute_dtype)
+    leaves = [jnp.asarray(g) for g in jax.tree_util.tree_leaves(grads) if _check.is_float(g)]
     groups: dict = {}
     for i, g in enumerate(leaves):
         groups.setdefault(tuple(g.shape), []).append(i)
@@ -40,10 +40,10 @@ def check_and_amax(grads, mode="ieee", compute_dtype=jnp.float16):
     for shape, members in groups.items():
         dims = tuple(range(len(shape)))
         # Two outputs per leaf: half as many leaves per kernel (XLA:CPU slows past ~16).
-        for start in range(0, len(members), numerics._GROUP // 2):
-            chunk = members[start : start + numerics._GROUP // 2]
+        for start in range(0, len(members), _check.GROUP // 2):
+            chunk = members[start : start + _check.GROUP // 2]
             tests = tuple(
-                jnp.logical_or(*numerics._predicates(leaves[i], mode, threshold)) for i in chunk
+                jnp.logical_or(*_check.predicates(leaves[i], mode, threshold)) for i in chunk
             )
             mags = tuple(_magnitude(leaves[i]) for i in chunk)
             zero = jnp.zeros([], jnp.float32)

@@ -77,7 +77,9 @@ _NPU_GROWTH_LIMIT = 3.4e38
 class _NpuExponentialUpdate(policies.DynamicScale):
     """``DynamicScale`` refusing a growth once ``scale >= float32(3.4e38 / growth_factor)``."""
 
-    def adjust(self, state: LossScaleState, overflow: ArrayLike) -> LossScaleState:
+    def adjust(
+        self, state: LossScaleState, overflow: ArrayLike, amax: ArrayLike | None = None
+    ) -> LossScaleState:
         new = super().adjust(state, overflow)
         limit = jnp.asarray(np.float32(_NPU_GROWTH_LIMIT / self.growth_factor), jnp.float32)
         refused = jnp.logical_and(

@@ -7,21 +7,15 @@ several optimizers, each skipped only for its own overflow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import optax
-from jax import lax
-
-from lossscale_jax import numerics, policies
+from lossscale_jax import policies
 from lossscale_jax.compat._common import (
     _INF,
     _TINY,
     _bool,
     _build,
-    _check_policy,
     _clip,
     _field,
     _host,
@@ -32,13 +26,8 @@ from lossscale_jax.compat._common import (
     _saved_int,
     _saved_scale,
 )
+from lossscale_jax.compat._torch_multi import multi_optimizer
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, NoScale
-from lossscale_jax.transform import (
-    AxisName,
-    LossScalingState,
-    _validate_axis_name,
-    reduce_overflow,
-)
 
 __all__ = [
     "GradScaler",
@@ -241,148 +230,3 @@ def export_state(policy: LossScalePolicy, state: LossScaleState) -> dict[str, An
             strict=True,
         )
     )
-
-
-# --------------------------------------------------------------------------
-# One GradScaler, several optimizers.
-
-
-_DECISION = "lossscale_torch_decision"
-
-
-def _skips_own_overflow(label: Hashable, inner: Any) -> optax.GradientTransformationExtraArgs:
-    """``inner`` on its partition, unscaled, and skipped when its own gradients overflowed."""
-    inner = optax.with_extra_args_support(inner)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        applies, scale = extra_args.pop(_DECISION)
-
-        def good(operands):
-            grads, inner_state = operands
-            grads = numerics.unscale(grads, scale, params)
-            return inner.update(grads, inner_state, params, **extra_args)
-
-        shapes = jax.eval_shape(good, (updates, state))[0]
-
-        def skip(operands):
-            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            return zeros, operands[1]
-
-        return lax.cond(applies[label], good, skip, (updates, state))
-
-    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
-
-
-def multi_optimizer(
-    transforms: Mapping[Hashable, optax.GradientTransformation],
-    param_labels: Any | Callable[[Any], Any],
-    grad_scaler: LossScalePolicy,
-    *,
-    overflow: numerics.OverflowMode = "ieee",
-    compute_dtype: Any = jnp.float16,
-    axis_name: AxisName | None = None,
-) -> optax.GradientTransformationExtraArgs:
-    """One ``GradScaler`` stepping several optimizers, as torch does.
-
-    In torch, ``scaler.step(opt0); scaler.step(opt1); scaler.update()``
-    skips only the optimizer whose own gradients held an inf or nan, steps
-    the others, and backs the one scale off if any of them overflowed. This
-    is that step over the partitions of ``optax.multi_transform``.
-
-    Rule (one ``update``; the gradients are those of ``scale_loss(loss, state)``)::
-
-      found[k] = any overflow in the gradients labelled k   # reduced over axis_name
-      loss_scale = grad_scaler.adjust(loss_scale, any(found))
-      for each label k:
-          if found[k] and loss_scale.last_skipped: zeros for k, k's state kept
-          else: updates for k, state = transforms[k].update(grads[k] / scale, ...)
-
-    ``metrics(opt_state)["skipped"]`` is True when any optimizer skipped.
-    One ``loss_scaling`` around ``optax.multi_transform`` instead skips every
-    partition together (one decision for the whole model), which is what
-    the other frameworks do; choose that unless you port a torch recipe.
-
-    Args:
-      transforms: label -> optax transformation (torch's optimizers).
-      param_labels: a pytree of labels (a prefix of the params) or a function
-        of the params returning one, as for ``optax.multi_transform``.
-      grad_scaler: the policy, e.g. ``compat.torch.GradScaler(...)``.
-      overflow: the overflow check (``"ieee"``, torch's).
-      compute_dtype: the dtype of the backward pass.
-      axis_name: ``pmap``/``shard_map`` axis over which each partition's
-        flag is reduced (one scalar collective per label).
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a
-      ``LossScalingState`` (``scale_loss``, ``metrics`` work on it).
-
-    Raises:
-      TypeError: if ``transforms`` is not a non-empty mapping or ``grad_scaler`` not a
-        policy. ValueError: for a bad ``overflow`` or ``axis_name``, or a ``grad_scaler``
-        that sets its scale from the gradients' range (``HeadroomScale``).
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> import lossscale_jax as lsj
-      >>> from lossscale_jax import compat
-      >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
-      >>> tx = compat.torch.multi_optimizer(
-      ...     {"a": optax.sgd(1.0), "b": optax.sgd(1.0)}, {"a": "a", "b": "b"},
-      ...     compat.torch.GradScaler(init_scale=4.0))
-      >>> grads = {"a": jnp.array([4.0, 8.0]), "b": jnp.array([jnp.inf, 0.0])}
-      >>> updates, state = tx.update(grads, tx.init(params), params)
-      >>> updates["a"].tolist(), updates["b"].tolist(), float(state.loss_scale.scale)
-      ([-1.0, -2.0], [0.0, 0.0], 2.0)
-    """
-    policy = _check_policy("grad_scaler", grad_scaler)
-    if policy.measures_range:
-        raise ValueError(
-            f"grad_scaler={policy!r} sets its scale from the gradients' range, which "
-            "multi_optimizer does not measure (torch's GradScaler has no such policy): use "
-            "compat.torch.GradScaler(...), or lossscale_jax.loss_scaling(optax.multi_transform"
-            "(...), policy) for one decision over every partition."
-        )
-    if not isinstance(transforms, Mapping) or not transforms:
-        raise TypeError(
-            f"transforms must be a non-empty mapping of label -> optax transformation, got "
-            f"{transforms!r}."
-        )
-    mode = numerics.validate_overflow_mode(overflow)
-    dtype = numerics.validate_compute_dtype(compute_dtype)
-    _validate_axis_name(axis_name)
-    partition = optax.multi_transform(
-        {k: _skips_own_overflow(k, t) for k, t in transforms.items()}, param_labels
-    )
-
-    def init_fn(params: optax.Params) -> LossScalingState:
-        return LossScalingState(loss_scale=policy.init(), inner_state=partition.init(params))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        if not isinstance(state, LossScalingState):
-            raise TypeError(
-                "state must be the LossScalingState made by this transformation's init, got "
-                f"{type(state).__name__}."
-            )
-        labels = param_labels(updates) if callable(param_labels) else param_labels
-        found = {}
-        for k in transforms:
-            mine = jax.tree_util.tree_map(
-                lambda lab, g, k=k: g if lab == k else None, labels, updates
-            )
-            found[k] = reduce_overflow(numerics.check_overflow(mine, mode, dtype), axis_name)
-        loss_scale = policy.adjust(state.loss_scale, jnp.any(jnp.stack(list(found.values()))))
-        applies = {
-            k: jnp.logical_not(jnp.logical_and(f, loss_scale.last_skipped))
-            for k, f in found.items()
-        }
-        new_updates, inner_state = partition.update(
-            updates,
-            state.inner_state,
-            params,
-            **extra_args,
-            **{_DECISION: (applies, state.loss_scale.scale)},
-        )
-        return new_updates, LossScalingState(loss_scale=loss_scale, inner_state=inner_state)
-
-    # leaf_overflow may be None (no record): a leafless pytree optax's OptState alias omits.
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

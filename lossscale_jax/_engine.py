@@ -1,0 +1,301 @@
+"""The engine: the one place that checks, reduces over devices, adjusts and selects the branch.
+
+Every front-end (``loss_scaling``, ``apply_gradients``, ``loss_scaling_multi_steps``,
+``compat.torch.multi_optimizer``, and through them the Flax train states and the compat
+wrappers) builds an ``Engine`` from its arguments and runs a step as::
+
+  check = engine.check(scaled_grads, loss_scale.scale, record)   # one read, one collective
+  check = engine.fold(window, check)                              # accumulation only
+  loss_scale, apply = engine.decide(loss_scale, check)            # policy.adjust, on_stuck
+  out = engine.select(apply, good, skip, operands)                # the one lax.cond
+
+A front-end adds only what is its own: where the update lands (the Optax updates, the
+parameters), what counts as a step (a call, a window). tests/reference_engine.py is the
+NumPy model of this rule that every front-end is checked against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lossscale_jax import _check, _devices, stuck
+from lossscale_jax._state import LossScaleState
+from lossscale_jax._unscale import scale_is_bad, unscale_tree, valid_scale
+from lossscale_jax.errors import StructureError
+from lossscale_jax.policies._base import LossScalePolicy, check_policy
+
+ATTRIBUTIONS: tuple[str | None, ...] = ("reduced", "local", None)
+
+_S = TypeVar("_S")
+
+
+def validate_attribution(attribution: Any) -> str | None:
+    """Returns ``attribution`` if it names a per-leaf record, else raises ``ValueError``."""
+    if attribution is not None and (
+        not isinstance(attribution, str) or attribution not in ATTRIBUTIONS
+    ):
+        raise ValueError(f"attribution must be one of {ATTRIBUTIONS}, got {attribution!r}.")
+    return attribution
+
+
+class Check(NamedTuple):
+    """What one step's overflow check saw, reduced over the devices of ``axis_name``.
+
+    Attributes:
+      overflow: bool scalar: a gradient overflowed on some device, or the scale in
+        the state is not finite and > 0.
+      flags: ``bool[n]``, one per gradient leaf (ORed over the devices with
+        ``attribution="reduced"``); ``None`` when no record is kept.
+      amax: float32 scalar, ``max |scaled g| / (scale * finfo(compute_dtype).max)``
+        (the largest over the devices); ``None`` unless the policy measures it.
+    """
+
+    overflow: jax.Array
+    flags: jax.Array | None
+    amax: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The validated configuration of one loss-scaling front-end, and its step.
+
+    Built once, when the front-end is built, by ``Engine.build`` (every argument
+    checked there, naming it); hashable and static.
+    """
+
+    where: str
+    policy: LossScalePolicy
+    mode: _check.OverflowMode
+    compute_dtype: np.dtype
+    axis_name: Any
+    reduced: tuple[Hashable, ...]
+    local: tuple[Hashable, ...]
+    on_stuck: str
+    attribution: str | None
+
+    @classmethod
+    def build(
+        cls,
+        where: str,
+        policy: Any,
+        *,
+        overflow: Any = "ieee",
+        compute_dtype: Any = jnp.float16,
+        axis_name: Any = None,
+        local_axes: Any = None,
+        on_stuck: Any = "skip",
+        attribution: Any = "reduced",
+        policy_name: str = "policy",
+    ) -> Engine:
+        """An engine from a front-end's arguments; a bad one raises, naming it."""
+        reduced, local = _devices.validate_axes(axis_name, local_axes)
+        return cls(
+            where=where,
+            policy=check_policy(policy, policy_name),
+            mode=_check.validate_overflow_mode(overflow),
+            compute_dtype=_check.validate_compute_dtype(compute_dtype),
+            axis_name=axis_name,
+            reduced=reduced,
+            local=local,
+            on_stuck=stuck.validate_on_stuck(on_stuck),
+            attribution=validate_attribution(attribution),
+        )
+
+    def empty_record(self, params: Any) -> jax.Array | None:
+        """The per-leaf record of a fresh state: one ``False`` per leaf of ``params``."""
+        if self.attribution is None:
+            return None
+        return jnp.zeros([len(jax.tree_util.tree_leaves(params))], jnp.bool_)
+
+    def check(
+        self,
+        grads: Any,
+        scale: jax.Array,
+        record: jax.Array | None,
+        *,
+        reduce_flags: bool = False,
+    ) -> Check:
+        """The overflow check of ``grads`` (scaled), reduced over ``axis_name``.
+
+        Rule::
+
+          refuse a mapped axis that is neither reduced nor local (check_mapped_axes)
+          flags = one overflow flag per leaf          # one read of each gradient
+          found = any(flags) or not (scale finite and > 0)
+          amax = max |grads| / (scale * finfo(compute_dtype).max)   # if policy.measures_range
+          found, amax, flags = (any, max, any) over axis_name       # one all-reduce
+            (flags travel in it with attribution="reduced", or when reduce_flags)
+
+        ``record`` (the state's previous record) only fixes the number of leaves.
+        """
+        _devices.check_mapped_axes(grads, self.reduced, self.local, self.mode, self.where)
+        measure = self.policy.measures_range
+        amax = None
+        if measure:
+            flags, raw = _check.leaf_vector(grads, self.mode, self.compute_dtype, with_max=True)
+            limit = jnp.float32(_check.threshold(self.compute_dtype))
+            amax = raw / (scale.astype(jnp.float32) * limit)
+        else:
+            flags = _check.leaf_vector(grads, self.mode, self.compute_dtype)
+        found = jnp.logical_or(jnp.any(flags), scale_is_bad(scale))
+        if record is not None and record.shape[-1:] != flags.shape:
+            raise StructureError(
+                f"the gradients have {flags.shape[0]} leaves but the optimizer state's "
+                f"per-leaf overflow record (leaf_overflow) has {record.shape[-1]}: tx.init was "
+                "given parameters of another structure. Pass gradients with the structure of "
+                "the parameters given to tx.init."
+            )
+        keep = self.attribution is not None or reduce_flags
+        shared = keep and (reduce_flags or self.attribution == "reduced")
+        found, amax, reduced = _devices.reduce_packed(
+            found, amax, flags if shared else None, self.axis_name
+        )
+        if shared:
+            flags = reduced
+        return Check(found, flags if keep else None, amax)
+
+    @staticmethod
+    def fold(window: Check, this: Check) -> Check:
+        """The window's check after one more micro-batch: flags ORed, ranges maxed.
+
+        ``window`` is what the window saw so far (``False``, no flag, range 0 at
+        its start); both are already reduced over the devices, so the fold is
+        the same on every device.
+        """
+        flags = None
+        if this.flags is not None and window.flags is not None:
+            flags = jnp.logical_or(window.flags, this.flags)
+        amax = this.amax
+        if amax is not None and window.amax is not None:
+            amax = jnp.maximum(window.amax, amax)
+        return Check(jnp.logical_or(window.overflow, this.overflow), flags, amax)
+
+    def decide(self, loss_scale: LossScaleState, check: Check) -> tuple[LossScaleState, jax.Array]:
+        """``(new loss-scale state, apply)``: the policy's step, and whether to apply.
+
+        ``apply`` is ``not new_state.last_skipped``. With ``on_stuck="error"`` a
+        ``checkify`` check fails when the step is stuck.
+        """
+        if self.policy.measures_range:
+            new = self.policy.adjust(loss_scale, check.overflow, check.amax)
+        else:
+            # No amax for a policy that does not read it: a user's policy written with
+            # adjust(state, overflow) keeps working.
+            new = self.policy.adjust(loss_scale, check.overflow)
+        stuck.check_stuck(new, self.on_stuck)
+        return new, jnp.logical_not(new.last_skipped)
+
+    @staticmethod
+    def select(apply: jax.Array, good: Callable, skip: Callable, *operands: Any) -> Any:
+        """``good(*operands)`` if ``apply`` else ``skip(*operands)``: one ``lax.cond``.
+
+        Good branch first: XLA:CPU inserts fewer copies for this order. Under
+        ``shard_map`` the branches' outputs are matched in what they vary over.
+        """
+        return _devices.cond(apply, good, skip, *operands)
+
+    @staticmethod
+    def unscale(grads: Any, scale: jax.Array, params: Any = None) -> Any:
+        """``grads / scale`` in float32 at least, in the parameters' dtypes."""
+        return unscale_tree(grads, valid_scale(scale), params)
+
+
+def skip_updates(shapes: Any) -> Any:
+    """The updates of a skipped step: ``-0.0`` for floating leaves, 0 for others.
+
+    ``p + -0.0`` is ``p`` bit for bit for every ``p`` (``-0.0`` included), where
+    ``p + 0.0`` turns ``-0.0`` into ``+0.0``. A constant either way: free.
+    """
+
+    def leaf(s: Any) -> jax.Array:
+        if jnp.issubdtype(s.dtype, jnp.inexact):
+            return jnp.full(s.shape, -0.0, s.dtype)
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree_util.tree_map(leaf, shapes)
+
+
+def inner_or_skip(
+    engine: Engine,
+    apply: jax.Array,
+    inner_update: Callable,
+    grads: Any,
+    inner_state: Any,
+    shapes: Any = None,
+) -> tuple[Any, Any]:
+    """``inner_update(grads, inner_state)`` if ``apply``, else ``-0.0`` updates and the
+    inner state as it was (e.g. Adam's count unchanged): the Optax path's conditional.
+
+    ``shapes``: the updates' shapes (``jax.eval_shape`` of ``inner_update``), when the
+    caller has them already.
+    """
+
+    def good(operands: Any) -> Any:
+        return inner_update(*operands)
+
+    if shapes is None:
+        shapes = jax.eval_shape(good, (grads, inner_state))[0]
+
+    def skip(operands: Any) -> Any:
+        return skip_updates(shapes), operands[1]
+
+    return engine.select(apply, good, skip, (grads, inner_state))
+
+
+class EngineUpdate:
+    """The ``update`` function of a transformation built on the engine.
+
+    Called as any Optax ``update``; it also carries the ``engine`` it runs and the
+    ``inner`` transformation it wraps, so that the fused step and the Flax train
+    states run the same step (``fusable``: ``apply_gradients`` may run it), and a
+    loss scaling nested in another is refused.
+    """
+
+    def __init__(
+        self,
+        update: Callable[..., tuple[Any, Any]],
+        engine: Engine,
+        inner: optax.GradientTransformationExtraArgs,
+        *,
+        fusable: bool = False,
+    ) -> None:
+        self._update = update
+        self.engine = engine
+        self.inner = inner
+        self.fusable = fusable
+
+    def __call__(
+        self, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        return self._update(updates, state, params, **extra_args)
+
+
+def engine_of(tx: Any) -> EngineUpdate | None:
+    """The ``EngineUpdate`` of a transformation built on the engine, else ``None``."""
+    update = getattr(tx, "update", None)
+    return update if isinstance(update, EngineUpdate) else None
+
+
+def check_inner(inner: Any) -> None:
+    """Refuses an ``inner`` that is not an Optax transformation (no ``init``/``update``)."""
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"inner must be an optax.GradientTransformation, got {type(inner).__name__}."
+        )
+
+
+def check_state(state: Any, cls: type[_S], where: str) -> _S:
+    """``state`` if it is the ``cls`` state ``where``'s ``init`` makes, else ``TypeError``."""
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"state must be the {cls.__name__} made by this transformation's init ({where}), "
+            f"got {type(state).__name__} (an optimizer state without loss scaling?)."
+        )
+    return state

@@ -1,0 +1,152 @@
+"""The optimizer states of the loss-scaling transformations, and what an update did.
+
+``LossScalingState`` (``loss_scaling``, ``compat.torch.multi_optimizer``) and
+``LossScalingMultiStepsState`` (``loss_scaling_multi_steps``) hold the ``LossScaleState``
+beside the inner optimizer's state. ``step_outcome`` reads from a new state whether the
+update that made it completed an optimizer step, applied it, and whether the model
+collections written by that call must be discarded (the Flax train states use it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lossscale_jax._state import LossScaleState
+
+
+class LossScalingState(NamedTuple):
+    """State of :func:`loss_scaling`: the loss-scale state, the inner state, the overflow record.
+
+    Attributes:
+      loss_scale: the ``LossScaleState`` (scale, counters, telemetry).
+      inner_state: the state of the inner transformation.
+      leaf_overflow: ``bool[n]``, one flag per leaf of the parameters given to
+        ``init`` (in ``jax.tree_util.tree_leaves`` order): whether that leaf's
+        scaled gradient overflowed at the last step (see ``attribution`` of
+        ``loss_scaling``; ``overflowed_leaves`` names them). ``None`` when the
+        transformation keeps no record (``attribution=None``).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+      >>> tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale(init_scale=8.0))
+      >>> state = tx.init(params)
+      >>> type(state).__name__, float(state.loss_scale.scale), state.leaf_overflow.tolist()
+      ('LossScalingState', 8.0, [False, False])
+      >>> _, state = tx.update({"a": jnp.ones(2), "b": jnp.full(3, jnp.inf)}, state, params)
+      >>> state.leaf_overflow.tolist(), int(state.inner_state[0].count)   # inner state untouched
+      ([False, True], 0)
+    """
+
+    loss_scale: LossScaleState
+    inner_state: optax.OptState
+    leaf_overflow: jax.Array | None = None
+
+
+class LossScalingMultiStepsState(NamedTuple):
+    """State of :func:`loss_scaling_multi_steps`.
+
+    Every field that describes a step describes the last *completed* window
+    (optimizer update): ``loss_scale`` and ``leaf_overflow``, and so every key
+    of ``metrics``. The window in progress has fields of its own.
+
+    Attributes:
+      loss_scale: the ``LossScaleState`` (constant within a window).
+      mini_step: int32, micro-batches seen in the current window, in ``[0, every_k)``.
+      window_overflow: bool, whether a micro-batch of the current window overflowed.
+      acc_grads: the sum of the window's unscaled micro-gradients, float32 at least
+        (finite always: an overflowing micro-batch is never added).
+      inner_state: the state of the inner transformation.
+      leaf_overflow: ``bool[n]``, one flag per leaf of the parameters given to
+        ``init``: whether that leaf's gradient overflowed in a micro-batch of
+        the last completed window (what ``metrics`` and ``overflowed_leaves``
+        report). ``None`` when the transformation keeps no record
+        (``attribution=None``).
+      window_range: float32, the largest gradient range (``amax``, see
+        ``HeadroomScale``) of the current window's micro-batches so far; kept
+        (0) for every policy, so a checkpoint moves between policies.
+      window_leaf_overflow: ``bool[n]``, the per-leaf record of the current
+        window so far (``None`` without a record).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx = lsj.loss_scaling_multi_steps(
+      ...     optax.sgd(0.1), lsj.DynamicScale(init_scale=8.0), every_k=2)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.full(2, 8.0)}, state, params)  # scaled by 8
+      >>> int(state.mini_step), state.acc_grads["w"].tolist(), updates["w"].tolist()
+      (1, [1.0, 1.0], [-0.0, -0.0])
+      >>> updates, state = tx.update({"w": jnp.full(2, 24.0)}, state, params)
+      >>> int(state.mini_step), updates["w"].tolist()   # -0.1 * mean(1, 3)
+      (0, [-0.20000000298023224, -0.20000000298023224])
+    """
+
+    loss_scale: LossScaleState
+    mini_step: jax.Array
+    window_overflow: jax.Array
+    acc_grads: optax.Updates
+    inner_state: optax.OptState
+    leaf_overflow: jax.Array | None = None
+    window_range: jax.Array | None = None
+    window_leaf_overflow: jax.Array | None = None
+
+
+#: The states whose ``loss_scale`` field is the ``LossScaleState`` of a transformation.
+OWNER_TYPES: tuple[type, ...] = (LossScalingState, LossScalingMultiStepsState)
+
+
+class StepOutcome(NamedTuple):
+    """What one update did, read from the new optimizer state (scalar bools).
+
+    Attributes:
+      completed: an optimizer step ended with this call (every call of
+        ``loss_scaling``; the last micro-batch of a window of
+        ``loss_scaling_multi_steps``), applied or skipped.
+      applied: the update of that step was applied to the parameters.
+      discard: what this call's forward pass wrote into model collections
+        (e.g. ``batch_stats``) must not persist.
+    """
+
+    completed: jax.Array
+    applied: jax.Array
+    discard: jax.Array
+
+
+def step_outcome(owner: Any) -> StepOutcome | None:
+    """What the update that produced ``owner`` (a state of ``OWNER_TYPES``) did.
+
+    Rule::
+
+      LossScalingState:           completed = True
+                                  applied   = not last_skipped
+                                  discard   = last_skipped
+      LossScalingMultiStepsState: completed = mini_step == 0         # a window just ended
+                                  applied   = completed and not last_skipped
+                                  discard   = window_overflow        # sticky: from the first
+                                              or (completed and last_skipped)  # bad micro-batch
+                                                                     # to the window's end
+
+    In a skipped window, the collections written by the micro-batches before
+    the first overflowing one persist (their forward passes were good; only
+    the optimizer step is skipped); from that micro-batch to the window's end
+    nothing persists. ``None`` for anything else (a bare ``LossScaleState``).
+    """
+    if isinstance(owner, LossScalingState):
+        skipped = owner.loss_scale.last_skipped
+        return StepOutcome(jnp.ones([], jnp.bool_), jnp.logical_not(skipped), skipped)
+    if isinstance(owner, LossScalingMultiStepsState):
+        skipped = owner.loss_scale.last_skipped
+        ended = owner.mini_step == 0
+        return StepOutcome(
+            completed=ended,
+            applied=jnp.logical_and(ended, jnp.logical_not(skipped)),
+            discard=jnp.logical_or(owner.window_overflow, jnp.logical_and(ended, skipped)),
+        )
+    return None

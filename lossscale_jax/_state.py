@@ -1,0 +1,205 @@
+"""``LossScaleState``: the loss scale and its counters, and the telemetry every policy keeps.
+
+A pytree of fixed-dtype arrays and nothing else (scale float32, counters int32, flags
+bool). The policies (``lossscale_jax.policies``) write it; the engine reads its scale.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+F32_MAX = float(np.finfo(np.float32).max)
+I32_MAX = int(np.iinfo(np.int32).max)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+
+    from typing_extensions import Self
+
+    class _ChexDataclass(Mapping[str, jax.Array]):
+        """What ``chex.dataclass`` adds to a class at run time, spelled out for type checkers.
+
+        It makes the class a ``collections.abc.Mapping`` of its fields (so a state is an
+        ``optax.OptState``) with a ``replace`` method.
+        """
+
+        def replace(self, **changes: Any) -> Self: ...
+        def __getitem__(self, key: str) -> jax.Array: ...
+        def __iter__(self) -> Iterator[str]: ...
+        def __len__(self) -> int: ...
+
+else:
+    _ChexDataclass = object
+
+
+@chex.dataclass
+class LossScaleState(_ChexDataclass):
+    """The loss scale and its counters; a pytree of fixed-dtype arrays.
+
+    Attributes:
+      scale: float32 scalar, the factor the loss is multiplied by.
+      growth_count: int32, good steps since the scale last changed or an
+        overflow was seen.
+      hysteresis_count: int32, overflows counted toward the next backoff.
+      last_overflow: bool, whether the last step saw an overflow.
+      last_skipped: bool, whether the last step's update was skipped.
+      stuck: bool, whether the last step overflowed while the policy could not
+        lower the scale any further (``DynamicScale`` at ``min_scale``; every
+        overflow of ``StaticScale``/``NoScale``). Training that stays stuck
+        skips every step; see ``metrics``.
+      total_steps: int32, steps seen (saturating increment).
+      overflow_steps: int32, steps that saw an overflow (saturating).
+      skipped_steps: int32, steps whose update was skipped (saturating).
+      recent_overflow_rate: float32, the fraction of recent steps that saw an
+        overflow, in [0, 1]: ``overflow_steps / total_steps`` for the first
+        2000 steps, then an exponential moving average with weight 1/2000
+        (see ``metrics``).
+      range_peak: float32, ``HeadroomScale``'s held peak of the gradients'
+        range (the largest magnitude of the scaled gradients divided by
+        ``scale`` and by ``finfo(compute_dtype).max``); 0 when nothing was
+        measured. Other policies keep 0.
+      margin: int32, the octaves ``HeadroomScale`` keeps between the scale and
+        the headroom the gradients show. Other policies keep 0.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale_jax as lsj
+      >>> state = lsj.DynamicScale(init_scale=2.0**15).init()
+      >>> float(state.scale), state.scale.dtype, state.growth_count.dtype
+      (32768.0, dtype('float32'), dtype('int32'))
+      >>> float(state.replace(scale=jnp.float32(2.0**10)).scale)   # a new state, same dtypes
+      1024.0
+    """
+
+    scale: jax.Array
+    growth_count: jax.Array
+    hysteresis_count: jax.Array
+    last_overflow: jax.Array
+    last_skipped: jax.Array
+    stuck: jax.Array
+    total_steps: jax.Array
+    overflow_steps: jax.Array
+    skipped_steps: jax.Array
+    recent_overflow_rate: jax.Array
+    range_peak: jax.Array
+    margin: jax.Array
+
+
+# The horizon of ``recent_overflow_rate``: the mean over all steps for the first
+# RECENT_STEPS steps, then an exponential moving average with weight 1/RECENT_STEPS.
+# DynamicScale's default growth_interval: a healthy dynamic run's probing overflow
+# (one per growth_interval steps) moves the rate by 0.05%, half the strictest guideline.
+RECENT_STEPS = 2000
+
+
+def zeros_i32() -> jax.Array:
+    return jnp.zeros([], jnp.int32)
+
+
+def initial_state(scale: ArrayLike) -> LossScaleState:
+    """A fresh ``LossScaleState`` at ``scale`` with every counter at zero."""
+    return LossScaleState(
+        scale=jnp.asarray(scale, jnp.float32),
+        growth_count=zeros_i32(),
+        hysteresis_count=zeros_i32(),
+        last_overflow=jnp.zeros([], jnp.bool_),
+        last_skipped=jnp.zeros([], jnp.bool_),
+        stuck=jnp.zeros([], jnp.bool_),
+        total_steps=zeros_i32(),
+        overflow_steps=zeros_i32(),
+        skipped_steps=zeros_i32(),
+        recent_overflow_rate=jnp.zeros([], jnp.float32),
+        range_peak=jnp.zeros([], jnp.float32),
+        margin=zeros_i32(),
+    )
+
+
+def is_loss_scale_state(x: Any) -> bool:
+    return isinstance(x, LossScaleState)
+
+
+def safe_increment(count: jax.Array) -> jax.Array:
+    """``count + 1`` for int32 counters, saturating at the largest int32."""
+    return jnp.where(count < I32_MAX, count + 1, count).astype(jnp.int32)
+
+
+def increment_if(flag: jax.Array, count: jax.Array) -> jax.Array:
+    return jnp.where(flag, safe_increment(count), count)
+
+
+def recent_rate(
+    rate: jax.Array, overflow: jax.Array, total_steps: jax.Array, overflow_steps: jax.Array
+) -> jax.Array:
+    """The recent overflow rate after a step; the counters include that step.
+
+    Rule (float32)::
+
+      if total_steps <= RECENT_STEPS:
+          rate = overflow_steps / total_steps        # the mean so far: overflow_rate
+      else:
+          rate = rate + (overflow - rate) / RECENT_STEPS
+
+    An exponential moving average with weight ``1 / RECENT_STEPS``, started
+    from the exact mean of the first ``RECENT_STEPS`` steps (no bias toward 0
+    in the first steps, no dependence on an initial value).
+    """
+    f32 = jnp.float32
+    mean = overflow_steps.astype(f32) / jnp.maximum(total_steps, 1).astype(f32)
+    ema = rate.astype(f32) + (overflow.astype(f32) - rate.astype(f32)) / f32(RECENT_STEPS)
+    return jnp.where(total_steps <= RECENT_STEPS, mean, ema)
+
+
+def record_step(
+    state: LossScaleState,
+    overflow: jax.Array,
+    skipped: jax.Array,
+    stuck: jax.Array,
+    **changes: jax.Array,
+) -> LossScaleState:
+    """The telemetry every policy keeps, plus the policy's own field changes."""
+    total = safe_increment(state.total_steps)
+    overflows = increment_if(overflow, state.overflow_steps)
+    return state.replace(
+        last_overflow=overflow,
+        last_skipped=skipped,
+        stuck=stuck,
+        total_steps=total,
+        overflow_steps=overflows,
+        skipped_steps=increment_if(skipped, state.skipped_steps),
+        recent_overflow_rate=recent_rate(state.recent_overflow_rate, overflow, total, overflows),
+        **changes,
+    )
+
+
+def clamp(scale: jax.Array, min_scale: float, max_scale: float) -> jax.Array:
+    """``scale`` moved into ``[min_scale, max_scale]`` (float32); nan goes to ``min_scale``.
+
+    The identity on every finite scale already in the range, so a state the
+    policy produced itself steps exactly as before.
+    """
+    lo = jnp.asarray(min_scale, jnp.float32)
+    hi = jnp.asarray(min(max_scale, F32_MAX), jnp.float32)
+    return jnp.where(scale >= lo, jnp.minimum(scale, hi), lo)
+
+
+def with_scale(state: LossScaleState, scale: ArrayLike) -> LossScaleState:
+    """``state`` at ``scale``; the counters since the last change restart if it moved.
+
+    Every other field (telemetry, flags) is kept. ``scale`` is broadcast to the
+    shape of ``state.scale``, so a state carrying a leading device axis (from
+    ``jax.pmap``) keeps its shape.
+    """
+    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), jnp.shape(state.scale))
+    moved = jnp.logical_not(scale == state.scale)  # nan in the old state counts as moved
+    zero = jnp.zeros([], jnp.int32)
+    return state.replace(
+        scale=scale,
+        growth_count=jnp.where(moved, zero, state.growth_count),
+        hysteresis_count=jnp.where(moved, zero, state.hysteresis_count),
+    )

@@ -1,0 +1,72 @@
+"""The exceptions lossscale_jax raises for a mistake a user can fix.
+
+Each is a subclass of the built-in exception it was before (``ValueError`` or
+``TypeError``), so ``except ValueError`` keeps working; catch the class to react to one
+kind of mistake without reading the message. Every message names the argument or the
+nesting at fault and what to write instead (docs/errors.md lists them).
+
+Examples:
+  >>> import jax.numpy as jnp, optax
+  >>> import lossscale_jax as lsj
+  >>> tx = optax.MultiSteps(lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale()), 2)
+  >>> try:
+  ...     lsj.get_loss_scale_state(tx.init({"w": jnp.zeros(2)}))
+  ... except lsj.errors.NestingError as e:
+  ...     print(type(e).__name__, isinstance(e, ValueError))
+  NestingError True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AxisError",
+    "CheckpointError",
+    "CheckpointPolicyError",
+    "CheckpointVersionError",
+    "LossScalingError",
+    "NestingError",
+    "NotAPolicyError",
+    "StateNotFoundError",
+    "StructureError",
+]
+
+
+class LossScalingError(Exception):
+    """Base class of this module's exceptions."""
+
+
+class NotAPolicyError(LossScalingError, TypeError):
+    """A ``policy`` argument that is not a ``LossScalePolicy`` instance (a class, a number)."""
+
+
+class StateNotFoundError(LossScalingError, ValueError):
+    """An optimizer state without the loss-scale state a function needs (or with several)."""
+
+
+class NestingError(LossScalingError, ValueError):
+    """A nesting that would let scaled gradients or skipped steps reach training.
+
+    Raised for ``loss_scaling`` inside another loss scaling, ``optax.MultiSteps`` or another
+    Optax wrapper outside it, or ``optax.chain`` with transformations beside it.
+    """
+
+
+class AxisError(LossScalingError, ValueError):
+    """An ``axis_name``/``local_axes`` that is unbound where the step runs, or a mapped axis
+    (``jax.pmap``/``jax.shard_map``) over which devices would take different decisions."""
+
+
+class StructureError(LossScalingError, ValueError):
+    """Gradients or parameters whose structure differs from the one ``tx.init`` saw."""
+
+
+class CheckpointError(LossScalingError, ValueError):
+    """A checkpoint that does not have the optimizer state's structure."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint saved by an earlier version, without fields this version keeps."""
+
+
+class CheckpointPolicyError(CheckpointError):
+    """A checkpoint's loss-scale state that the policy given to restore would not hold."""
