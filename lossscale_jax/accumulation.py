@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lossscale_jax import numerics
@@ -76,7 +77,8 @@ def loss_scaling_multi_steps(
           mini_step += 1; return -0.0            # scale and inner state unchanged
       loss_scale = policy.adjust(loss_scale, window_overflow, window_range)
       if not loss_scale.last_skipped:
-          updates, inner_state = inner.update(acc_grads / every_k, inner_state, params)
+          mean = acc_grads * float32(1 / every_k)  # the reciprocal rounded to float32
+          updates, inner_state = inner.update(mean, inner_state, params)
       else:
           updates = -0.0                         # the whole window is skipped
       leaf_overflow = window_leaf_overflow       # the completed window's record
@@ -186,10 +188,14 @@ def loss_scaling_multi_steps(
         acc = jax.tree_util.tree_map(add, state.acc_grads, grads)
 
         def mean_of(acc_tree: Any) -> Any:
+            # Times the reciprocal of every_k, rounded to the accumulator's dtype: what XLA
+            # makes of a division by a constant anyway, written out so that the step gives
+            # the same bits inside and outside jax.jit.
             def leaf(a: jax.Array, g: Any) -> Any:
                 if not is_float(g):
                     return g
-                return (a / jnp.asarray(every_k, a.dtype)).astype(g.dtype)
+                inverse = np.asarray(1.0 / every_k, np.float64).astype(a.dtype)
+                return (a * jnp.asarray(inverse, a.dtype)).astype(g.dtype)
 
             return jax.tree_util.tree_map(leaf, acc_tree, grads)
 
