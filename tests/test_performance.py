@@ -17,11 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from script_loader import load_script  # tests/ is on sys.path under pytest
+from script_loader import import_benchmark  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
 ROOT = Path(__file__).resolve().parent.parent
+# The benchmark's package (benchmarks/bench/).
+breakdowns = import_benchmark("breakdowns")
+cli = import_benchmark("cli")
+harness = import_benchmark("harness")
+prototypes = import_benchmark("prototypes")
+report = import_benchmark("report")
+variants = import_benchmark("variants")
+workloads = import_benchmark("workloads")
 
 
 def _bits(x) -> np.ndarray:
@@ -342,17 +350,12 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
 
 
-def _bench():
-    return load_script("benchmarks/bench_step.py")
-
-
 def test_benchmark_quick_run(tmp_path):
     """`benchmarks/bench_step.py --quick`: every variant, full and post step, stays finite
     with its loss scale unmoved (else the benchmark refuses it), and the table is written."""
-    bench = _bench()
-    rows = bench.main(["--quick", "--out", str(tmp_path)])
+    rows = cli.main(["--quick", "--out", str(tmp_path)])
     assert {(r["case"], r["variant"]) for r in rows} == {
-        (c, v) for c in bench.QUICK_CASES for v in bench.DEFAULT_VARIANTS
+        (c, v) for c in workloads.QUICK_CASES for v in variants.DEFAULT_VARIANTS
     }
     plain = {r["case"]: r for r in rows if r["variant"] == "plain"}
     for row in rows:
@@ -382,9 +385,8 @@ def test_benchmark_quick_run(tmp_path):
 def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tmp_path):
     """The compile-time breakdown: every piece compiles, the skeleton skips like the library
     (no update on an inf gradient), and its table lands in the marked block of a doc."""
-    bench = _bench()
-    monkeypatch.setattr(bench, "COMPILE_REPEATS", 1)
-    rows = bench.compile_report("tiny", lambda m: None)
+    monkeypatch.setattr(breakdowns, "COMPILE_REPEATS", 1)
+    rows = breakdowns.compile_report("tiny", lambda m: None)
     assert [r["step"] for r in rows] == [
         "plain",
         "skel_unscale",
@@ -398,9 +400,9 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     assert all(r["compile_cpu_s"] > 0 and len(r["all_s"]) == 1 for r in rows)
     # The skeleton is a real skip step: an inf leaves params and state as they were, and the
     # per-leaf record names the leaf.
-    _, step, init = bench._skeletons()["skel_check_cond"]
-    params = bench.init_params(bench.WORKLOADS["tiny"], "in_out", np.random.default_rng(0))
-    grads = bench.to16(params)
+    _, step, init = breakdowns.skeletons()["skel_check_cond"]
+    params = workloads.init_params(workloads.WORKLOADS["tiny"], "in_out", np.random.default_rng(0))
+    grads = workloads.to16(params)
     state = init(params)
     bad = dict(grads, **{"002": grads["002"].at[0, 0].set(jnp.inf)})
     kept, kept_state, flags = jax.jit(step)(params, state, bad)
@@ -409,11 +411,11 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     moved, _, flags = jax.jit(step)(params, state, grads)
     assert not np.asarray(flags).any() and not np.array_equal(moved["000"], params["000"])
     doc = tmp_path / "performance.md"
-    begin, end = bench._markers("compile")
+    begin, end = report.markers("compile")
     doc.write_text(f"before\n{begin}\nold\n{end}\nafter\n")
     meta = {"compile_report": rows, "rounds": 1, "iters": 1, "command": "c", "machine": "m"}
     meta.update(load_before="0", load_after="0", allocators=["default"], check_report=None)
-    assert "compile" in bench.update_docs([], meta, doc)
+    assert "compile" in report.update_docs([], meta, doc)
     text = doc.read_text()
     assert "old" not in text and "| skel_check_cond |" in text and text.endswith("after\n")
 
@@ -458,21 +460,21 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
 
 
 def test_benchmark_prototypes_still_trace_and_stay_finite():
-    """Every `proto_*` variant (the formulations docs/performance.md compares against) runs
-    against the library as it is now: each compiles, trains and keeps its scale."""
-    bench = _bench()
-    names = ["plain", *bench.PROTOTYPES]
-    rows = bench.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
+    """Every variant outside the default run, the `proto_*` ones (the formulations
+    docs/performance.md compares against) and the HeadroomScale steps, runs against the library
+    as it is now: each compiles, trains and keeps its scale."""
+    names = ["plain", *(n for n in variants.VARIANTS if n not in variants.DEFAULT_VARIANTS)]
+    assert set(prototypes.PROTOTYPES) < set(names)  # and the two HeadroomScale steps
+    rows = harness.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
     assert [r["variant"] for r in rows] == names
     assert all(r["refused"] is None and r["conditionals"] == 1 for r in rows[1:]), rows
 
 
 def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
-    bench = _bench()
 
     def diverging(loss, pattern):
-        full, post, init, scale_of = bench.variant_plain(loss, pattern)
+        full, post, init, scale_of = variants.variant_plain(loss, pattern)
 
         def bad(p, s, g):
             p, s = post(p, s, g)
@@ -481,7 +483,7 @@ def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
         return full, bad, init, scale_of
 
     def skipping(loss, pattern):
-        full, post, init, scale_of = bench.variant_lsj(loss, pattern, fused=True, mode="ieee")
+        full, post, init, scale_of = variants.variant_lsj(loss, pattern, fused=True, mode="ieee")
         return (
             full,
             lambda p, s, g: post(p, s, jax.tree_util.tree_map(lambda x: x * jnp.inf, g)),
@@ -489,9 +491,9 @@ def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
             scale_of,
         )
 
-    monkeypatch.setitem(bench.VARIANTS, "diverging", diverging)
-    monkeypatch.setitem(bench.VARIANTS, "skipping", skipping)
-    rows = bench.run_case(
+    monkeypatch.setitem(variants.VARIANTS, "diverging", diverging)
+    monkeypatch.setitem(variants.VARIANTS, "skipping", skipping)
+    rows = harness.run_case(
         "tiny/in_out/fp16grad/post", ["plain", "diverging", "skipping"], 1, 1, False, lambda m: None
     )
     refused = {r["variant"]: r["refused"] for r in rows}
