@@ -9,7 +9,6 @@ temporary memory within one byte per parameter of the plain step.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import jax
@@ -22,10 +21,11 @@ from script_loader import import_benchmark  # tests/ is on sys.path under pytest
 import lossscale_jax as lsj
 
 ROOT = Path(__file__).resolve().parent.parent
-# The benchmark's package (benchmarks/bench/).
+# The benchmark's package (benchmarks/bench/): its HLO reader serves the tests below too.
 breakdowns = import_benchmark("breakdowns")
 cli = import_benchmark("cli")
 harness = import_benchmark("harness")
+hlo = import_benchmark("hlo")
 prototypes = import_benchmark("prototypes")
 report = import_benchmark("report")
 variants = import_benchmark("variants")
@@ -149,89 +149,7 @@ def test_fused_step_traces_once_and_never_touches_the_host():
 
 
 # --------------------------------------------------------------------------
-# The compiled step, read from its HLO.
-
-_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([\w\-]+)\(([^()]*)\)(.*)$")
-
-
-def _parse_hlo(text: str):
-    """{computation: [instruction dicts]} and the entry computation's name."""
-    comps: dict[str, list[dict]] = {}
-    cur = entry = None
-    for line in text.splitlines():
-        m = _COMP.match(line)
-        if m:
-            cur = m.group(1)
-            comps[cur] = []
-            entry = cur if line.startswith("ENTRY") else entry
-            continue
-        m = _INSTR.match(line) if cur else None
-        if m:
-            name, shape, op, args, rest = m.groups()
-            comps[cur].append(
-                {
-                    "name": name,
-                    "shape": shape.split("{")[0],
-                    "op": op,
-                    "rest": rest,
-                    "operands": re.findall(r"%([\w.\-]+)", args),
-                    "line": line.replace("\\", ""),
-                }
-            )
-    return comps, entry
-
-
-def _reads(text: str, label: str) -> int:
-    """How many instructions read the entry argument ``label`` (e.g. "grads['w']").
-
-    Follows the value through tuples into the conditional's branches; a
-    fusion that reads it counts once, wherever the read happens.
-    """
-    comps, entry = _parse_hlo(text)
-    start = [
-        i["name"]
-        for i in comps[entry]
-        if i["op"] == "parameter" and f'op_name="{label}"' in i["line"]
-    ]
-    assert len(start) == 1, f"entry argument {label} not found"
-    todo, total = [(entry, start[0])], 0
-    while todo:
-        comp, name = todo.pop()
-        for ins in comps[comp]:
-            if name not in ins["operands"]:
-                continue
-            if ins["op"] in ("get-tuple-element", "bitcast"):
-                todo.append((comp, ins["name"]))
-            elif ins["op"] == "tuple":
-                k = ins["operands"].index(name)
-                for cond in comps[comp]:
-                    if cond["op"] != "conditional" or ins["name"] not in cond["operands"]:
-                        continue
-                    branch_list = cond["rest"].split("branch_computations={")[1].split("}")[0]
-                    branches = re.findall(r"%([\w.\-]+)", branch_list)
-                    branch = branches[cond["operands"].index(ins["name"]) - 1]
-                    arg = next(i["name"] for i in comps[branch] if i["op"] == "parameter")
-                    for g in comps[branch]:
-                        if (
-                            g["op"] == "get-tuple-element"
-                            and arg in g["operands"]
-                            and re.search(rf"\bindex={k}\b", g["rest"])
-                        ):
-                            todo.append((branch, g["name"]))
-            else:
-                total += 1
-    return total
-
-
-def _count(text: str, op: str, shapes: set[str] | None = None) -> int:
-    comps, _ = _parse_hlo(text)
-    return sum(
-        1
-        for c in comps.values()
-        for i in c
-        if i["op"] == op and (shapes is None or i["shape"] in shapes)
-    )
+# The compiled step, read from its HLO (with the benchmark's reader, benchmarks/bench/hlo.py).
 
 
 def _steps(tx, inner):
@@ -269,19 +187,18 @@ def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
         texts[name] = compiled.as_text()
         temps[name] = compiled.memory_analysis().temp_size_in_bytes
     # Parameter- and moment-sized shapes (float32) and the gradients' (float16).
-    big = {f"f32[{','.join(map(str, p.shape))}]" for p in params.values()}
-    big |= {f"f16[{','.join(map(str, p.shape))}]" for p in params.values()}
+    big = hlo.shape_strings(params)
     n_params = sum(p.size for p in params.values())
     for name in ("optax", "fused"):
         text = texts[name]
-        assert _count(text, "conditional") == 1, name  # the skip is one conditional
-        assert _count(text, "select", big) == 0, name  # no whole-tree select
-        assert _count(text, "copy", big) == 0, name  # no parameter-sized copy
+        assert hlo.count(text, "conditional") == 1, name  # the skip is one conditional
+        assert hlo.count(text, "select", big) == 0, name  # no whole-tree select
+        assert hlo.count(text, "copy", big) == 0, name  # no parameter-sized copy
         for k in params:
-            plain_reads = _reads(texts["plain"], f"grads['{k}']")
+            plain_reads = hlo.reads(texts["plain"], f"grads['{k}']")
             assert plain_reads >= 1
-            assert _reads(text, f"grads['{k}']") <= plain_reads + 1, (name, k)
-    assert _count(texts["plain"], "conditional") == 0
+            assert hlo.reads(text, f"grads['{k}']") <= plain_reads + 1, (name, k)
+    assert hlo.count(texts["plain"], "conditional") == 0
     # The fused step needs no parameter-sized temporary beyond plain: the check fuses
     # into its reduction (no mask is written), leaving a few scalars.
     assert temps["fused"] <= temps["plain"] + 1024, (temps, n_params)
@@ -304,8 +221,8 @@ def test_overflow_check_is_one_fused_read_per_leaf(mode):
     text = compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < 4096 < n // 100
     for k in grads:
-        assert _reads(text, f"grads['{k}']") == 1, k
-    comps, entry = _parse_hlo(text)
+        assert hlo.reads(text, f"grads['{k}']") == 1, k
+    comps, entry = hlo.parse_hlo(text)
     reading = {
         i["name"]
         for i in comps[entry]
@@ -333,8 +250,8 @@ def test_hlo_reader_sees_a_whole_tree_select():
         return jmp.select_tree(finite, (new_params, new_state), (params, state))
 
     text = _compile(jmp_step, inner.init, params, grads).as_text()
-    assert _count(text, "select", {"f32[64,32]", "f32[32]"}) >= 6  # params, mu, nu x 2 leaves
-    assert _reads(text, "grads['a']") >= 1
+    assert hlo.count(text, "select", {"f32[64,32]", "f32[32]"}) >= 6  # params, mu, nu x 2 leaves
+    assert hlo.reads(text, "grads['a']") >= 1
 
 
 def test_compiled_step_size_grows_linearly_with_the_leaf_count():
@@ -343,8 +260,7 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
         grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
         tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
         fn, init = _steps(tx, optax.adam(1e-3))["fused"]
-        comps, _ = _parse_hlo(_compile(fn, init, params, grads).as_text())
-        return sum(len(c) for c in comps.values())
+        return hlo.count(_compile(fn, init, params, grads).as_text())
 
     small, large = instructions(10), instructions(40)
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
@@ -439,7 +355,7 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
         return step, step(*copies, bad)[0]  # a skipped step
 
     def histogram(text):
-        comps, _ = _parse_hlo(text)
+        comps, _ = hlo.parse_hlo(text)
         return sorted(
             (i["op"], i["shape"]) for c in comps.values() for i in c if i["op"] != "constant"
         )
