@@ -9,6 +9,9 @@ temporary memory within one byte per parameter of the plain step.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -334,6 +337,17 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     assert "compile" in report.update_docs([], meta, doc)
     text = doc.read_text()
     assert "old" not in text and "| skel_check_cond |" in text and text.endswith("after\n")
+
+
+def test_benchmark_command_renders_the_saved_run(tmp_path):
+    """`python benchmarks/bench_step.py --render`, the one command run as a process, writes
+    from results.json the results.md committed next to it, byte for byte."""
+    shutil.copy(ROOT / "benchmarks" / "results.json", tmp_path)
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_step.py")]
+    subprocess.run([*command, "--render", "--out", str(tmp_path)], check=True)
+    assert (tmp_path / "results.md").read_bytes() == (
+        ROOT / "benchmarks" / "results.md"
+    ).read_bytes()
 
 
 def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
