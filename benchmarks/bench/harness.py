@@ -31,10 +31,13 @@ from .workloads import INIT_SCALE, WORKLOADS, build_case
 
 
 def log(msg: str) -> None:
+    """Progress, to stderr (stdout stays free)."""
     print(msg, file=sys.stderr, flush=True)
 
 
-def compile_step(fn: Callable, args: Sequence, donate=(0, 1), fresh: bool = False):
+def compile_step(
+    fn: Callable, args: Sequence, donate: tuple[int, ...] = (0, 1), fresh: bool = False
+):
     """``fn`` jitted (``donate_argnums=donate``), lowered for ``args`` and compiled, from
     scratch where ``fresh`` (``jax.clear_caches`` first): ``(compiled, cpu_s, wall_s)``, the
     CPU and wall seconds of trace + lower + compile."""
@@ -75,7 +78,9 @@ HLO_COLUMNS = (
 )
 
 
-def _compile_variant(name, case, measure_compile, log):
+def _compile_variant(name, case, measure_compile, log) -> dict[str, Any]:
+    """Variant ``name`` of the built ``case`` compiled and run once (warm-up): its executable,
+    carry, compile times, temporaries and HLO columns, ready for the timed rounds."""
     full, post, init, scale_of = VARIANTS[name](case.loss, case.pattern)
     fn = full if case.kind == "full" else post
     args = (copy_tree(case.params), init(case.params), *case.args)
