@@ -1,8 +1,9 @@
-"""Loading the repository's scripts (examples, benchmarks) as modules, for their tests."""
+"""Loading the repository's scripts and the benchmark's package as modules, for their tests."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import pathlib
 import sys
@@ -26,3 +27,14 @@ def load_script(relative_path: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def import_benchmark(module: str) -> ModuleType:
+    """``bench.<module>``, a module of the benchmark's package (benchmarks/bench/).
+
+    ``benchmarks/`` goes on ``sys.path`` as ``python benchmarks/bench_step.py`` puts it there.
+    """
+    path = str(ROOT / "benchmarks")
+    if path not in sys.path:
+        sys.path.append(path)
+    return importlib.import_module(f"bench.{module}")

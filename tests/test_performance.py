@@ -9,7 +9,9 @@ temporary memory within one byte per parameter of the plain step.
 
 from __future__ import annotations
 
-import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -17,11 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from script_loader import load_script  # tests/ is on sys.path under pytest
+from script_loader import import_benchmark  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
 ROOT = Path(__file__).resolve().parent.parent
+# The benchmark's package (benchmarks/bench/): its HLO reader serves the tests below too.
+breakdowns = import_benchmark("breakdowns")
+cli = import_benchmark("cli")
+harness = import_benchmark("harness")
+hlo = import_benchmark("hlo")
+prototypes = import_benchmark("prototypes")
+report = import_benchmark("report")
+variants = import_benchmark("variants")
+workloads = import_benchmark("workloads")
 
 
 def _bits(x) -> np.ndarray:
@@ -141,89 +152,7 @@ def test_fused_step_traces_once_and_never_touches_the_host():
 
 
 # --------------------------------------------------------------------------
-# The compiled step, read from its HLO.
-
-_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([\w\-]+)\(([^()]*)\)(.*)$")
-
-
-def _parse_hlo(text: str):
-    """{computation: [instruction dicts]} and the entry computation's name."""
-    comps: dict[str, list[dict]] = {}
-    cur = entry = None
-    for line in text.splitlines():
-        m = _COMP.match(line)
-        if m:
-            cur = m.group(1)
-            comps[cur] = []
-            entry = cur if line.startswith("ENTRY") else entry
-            continue
-        m = _INSTR.match(line) if cur else None
-        if m:
-            name, shape, op, args, rest = m.groups()
-            comps[cur].append(
-                {
-                    "name": name,
-                    "shape": shape.split("{")[0],
-                    "op": op,
-                    "rest": rest,
-                    "operands": re.findall(r"%([\w.\-]+)", args),
-                    "line": line.replace("\\", ""),
-                }
-            )
-    return comps, entry
-
-
-def _reads(text: str, label: str) -> int:
-    """How many instructions read the entry argument ``label`` (e.g. "grads['w']").
-
-    Follows the value through tuples into the conditional's branches; a
-    fusion that reads it counts once, wherever the read happens.
-    """
-    comps, entry = _parse_hlo(text)
-    start = [
-        i["name"]
-        for i in comps[entry]
-        if i["op"] == "parameter" and f'op_name="{label}"' in i["line"]
-    ]
-    assert len(start) == 1, f"entry argument {label} not found"
-    todo, total = [(entry, start[0])], 0
-    while todo:
-        comp, name = todo.pop()
-        for ins in comps[comp]:
-            if name not in ins["operands"]:
-                continue
-            if ins["op"] in ("get-tuple-element", "bitcast"):
-                todo.append((comp, ins["name"]))
-            elif ins["op"] == "tuple":
-                k = ins["operands"].index(name)
-                for cond in comps[comp]:
-                    if cond["op"] != "conditional" or ins["name"] not in cond["operands"]:
-                        continue
-                    branch_list = cond["rest"].split("branch_computations={")[1].split("}")[0]
-                    branches = re.findall(r"%([\w.\-]+)", branch_list)
-                    branch = branches[cond["operands"].index(ins["name"]) - 1]
-                    arg = next(i["name"] for i in comps[branch] if i["op"] == "parameter")
-                    for g in comps[branch]:
-                        if (
-                            g["op"] == "get-tuple-element"
-                            and arg in g["operands"]
-                            and re.search(rf"\bindex={k}\b", g["rest"])
-                        ):
-                            todo.append((branch, g["name"]))
-            else:
-                total += 1
-    return total
-
-
-def _count(text: str, op: str, shapes: set[str] | None = None) -> int:
-    comps, _ = _parse_hlo(text)
-    return sum(
-        1
-        for c in comps.values()
-        for i in c
-        if i["op"] == op and (shapes is None or i["shape"] in shapes)
-    )
+# The compiled step, read from its HLO (with the benchmark's reader, benchmarks/bench/hlo.py).
 
 
 def _steps(tx, inner):
@@ -261,19 +190,18 @@ def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
         texts[name] = compiled.as_text()
         temps[name] = compiled.memory_analysis().temp_size_in_bytes
     # Parameter- and moment-sized shapes (float32) and the gradients' (float16).
-    big = {f"f32[{','.join(map(str, p.shape))}]" for p in params.values()}
-    big |= {f"f16[{','.join(map(str, p.shape))}]" for p in params.values()}
+    big = hlo.shape_strings(params)
     n_params = sum(p.size for p in params.values())
     for name in ("optax", "fused"):
         text = texts[name]
-        assert _count(text, "conditional") == 1, name  # the skip is one conditional
-        assert _count(text, "select", big) == 0, name  # no whole-tree select
-        assert _count(text, "copy", big) == 0, name  # no parameter-sized copy
+        assert hlo.count(text, "conditional") == 1, name  # the skip is one conditional
+        assert hlo.count(text, "select", big) == 0, name  # no whole-tree select
+        assert hlo.count(text, "copy", big) == 0, name  # no parameter-sized copy
         for k in params:
-            plain_reads = _reads(texts["plain"], f"grads['{k}']")
+            plain_reads = hlo.reads(texts["plain"], f"grads['{k}']")
             assert plain_reads >= 1
-            assert _reads(text, f"grads['{k}']") <= plain_reads + 1, (name, k)
-    assert _count(texts["plain"], "conditional") == 0
+            assert hlo.reads(text, f"grads['{k}']") <= plain_reads + 1, (name, k)
+    assert hlo.count(texts["plain"], "conditional") == 0
     # The fused step needs no parameter-sized temporary beyond plain: the check fuses
     # into its reduction (no mask is written), leaving a few scalars.
     assert temps["fused"] <= temps["plain"] + 1024, (temps, n_params)
@@ -296,8 +224,8 @@ def test_overflow_check_is_one_fused_read_per_leaf(mode):
     text = compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < 4096 < n // 100
     for k in grads:
-        assert _reads(text, f"grads['{k}']") == 1, k
-    comps, entry = _parse_hlo(text)
+        assert hlo.reads(text, f"grads['{k}']") == 1, k
+    comps, entry = hlo.parse_hlo(text)
     reading = {
         i["name"]
         for i in comps[entry]
@@ -325,8 +253,8 @@ def test_hlo_reader_sees_a_whole_tree_select():
         return jmp.select_tree(finite, (new_params, new_state), (params, state))
 
     text = _compile(jmp_step, inner.init, params, grads).as_text()
-    assert _count(text, "select", {"f32[64,32]", "f32[32]"}) >= 6  # params, mu, nu x 2 leaves
-    assert _reads(text, "grads['a']") >= 1
+    assert hlo.count(text, "select", {"f32[64,32]", "f32[32]"}) >= 6  # params, mu, nu x 2 leaves
+    assert hlo.reads(text, "grads['a']") >= 1
 
 
 def test_compiled_step_size_grows_linearly_with_the_leaf_count():
@@ -335,24 +263,18 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
         grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
         tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
         fn, init = _steps(tx, optax.adam(1e-3))["fused"]
-        comps, _ = _parse_hlo(_compile(fn, init, params, grads).as_text())
-        return sum(len(c) for c in comps.values())
+        return hlo.count(_compile(fn, init, params, grads).as_text())
 
     small, large = instructions(10), instructions(40)
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
 
 
-def _bench():
-    return load_script("benchmarks/bench_step.py")
-
-
 def test_benchmark_quick_run(tmp_path):
     """`benchmarks/bench_step.py --quick`: every variant, full and post step, stays finite
     with its loss scale unmoved (else the benchmark refuses it), and the table is written."""
-    bench = _bench()
-    rows = bench.main(["--quick", "--out", str(tmp_path)])
+    rows = cli.main(["--quick", "--out", str(tmp_path)])
     assert {(r["case"], r["variant"]) for r in rows} == {
-        (c, v) for c in bench.QUICK_CASES for v in bench.DEFAULT_VARIANTS
+        (c, v) for c in workloads.QUICK_CASES for v in variants.DEFAULT_VARIANTS
     }
     plain = {r["case"]: r for r in rows if r["variant"] == "plain"}
     for row in rows:
@@ -382,9 +304,8 @@ def test_benchmark_quick_run(tmp_path):
 def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tmp_path):
     """The compile-time breakdown: every piece compiles, the skeleton skips like the library
     (no update on an inf gradient), and its table lands in the marked block of a doc."""
-    bench = _bench()
-    monkeypatch.setattr(bench, "COMPILE_REPEATS", 1)
-    rows = bench.compile_report("tiny", lambda m: None)
+    monkeypatch.setattr(breakdowns, "COMPILE_REPEATS", 1)
+    rows = breakdowns.compile_report("tiny", lambda m: None)
     assert [r["step"] for r in rows] == [
         "plain",
         "skel_unscale",
@@ -398,9 +319,9 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     assert all(r["compile_cpu_s"] > 0 and len(r["all_s"]) == 1 for r in rows)
     # The skeleton is a real skip step: an inf leaves params and state as they were, and the
     # per-leaf record names the leaf.
-    _, step, init = bench._skeletons()["skel_check_cond"]
-    params = bench.init_params(bench.WORKLOADS["tiny"], "in_out", np.random.default_rng(0))
-    grads = bench.to16(params)
+    _, step, init = breakdowns.skeletons()["skel_check_cond"]
+    params = workloads.init_params(workloads.WORKLOADS["tiny"], "in_out", np.random.default_rng(0))
+    grads = workloads.to16(params)
     state = init(params)
     bad = dict(grads, **{"002": grads["002"].at[0, 0].set(jnp.inf)})
     kept, kept_state, flags = jax.jit(step)(params, state, bad)
@@ -409,13 +330,24 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     moved, _, flags = jax.jit(step)(params, state, grads)
     assert not np.asarray(flags).any() and not np.array_equal(moved["000"], params["000"])
     doc = tmp_path / "performance.md"
-    begin, end = bench._markers("compile")
+    begin, end = report.markers("compile")
     doc.write_text(f"before\n{begin}\nold\n{end}\nafter\n")
     meta = {"compile_report": rows, "rounds": 1, "iters": 1, "command": "c", "machine": "m"}
     meta.update(load_before="0", load_after="0", allocators=["default"], check_report=None)
-    assert "compile" in bench.update_docs([], meta, doc)
+    assert "compile" in report.update_docs([], meta, doc)
     text = doc.read_text()
     assert "old" not in text and "| skel_check_cond |" in text and text.endswith("after\n")
+
+
+def test_benchmark_command_renders_the_saved_run(tmp_path):
+    """`python benchmarks/bench_step.py --render`, the one command run as a process, writes
+    from results.json the results.md committed next to it, byte for byte."""
+    shutil.copy(ROOT / "benchmarks" / "results.json", tmp_path)
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_step.py")]
+    subprocess.run([*command, "--render", "--out", str(tmp_path)], check=True)
+    assert (tmp_path / "results.md").read_bytes() == (
+        ROOT / "benchmarks" / "results.md"
+    ).read_bytes()
 
 
 def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
@@ -437,7 +369,7 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
         return step, step(*copies, bad)[0]  # a skipped step
 
     def histogram(text):
-        comps, _ = _parse_hlo(text)
+        comps, _ = hlo.parse_hlo(text)
         return sorted(
             (i["op"], i["shape"]) for c in comps.values() for i in c if i["op"] != "constant"
         )
@@ -458,21 +390,21 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
 
 
 def test_benchmark_prototypes_still_trace_and_stay_finite():
-    """Every `proto_*` variant (the formulations docs/performance.md compares against) runs
-    against the library as it is now: each compiles, trains and keeps its scale."""
-    bench = _bench()
-    names = ["plain", *bench.PROTOTYPES]
-    rows = bench.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
+    """Every variant outside the default run, the `proto_*` ones (the formulations
+    docs/performance.md compares against) and the HeadroomScale steps, runs against the library
+    as it is now: each compiles, trains and keeps its scale."""
+    names = ["plain", *(n for n in variants.VARIANTS if n not in variants.DEFAULT_VARIANTS)]
+    assert set(prototypes.PROTOTYPES) < set(names)  # and the two HeadroomScale steps
+    rows = harness.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
     assert [r["variant"] for r in rows] == names
     assert all(r["refused"] is None and r["conditionals"] == 1 for r in rows[1:]), rows
 
 
 def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
-    bench = _bench()
 
     def diverging(loss, pattern):
-        full, post, init, scale_of = bench.variant_plain(loss, pattern)
+        full, post, init, scale_of = variants.variant_plain(loss, pattern)
 
         def bad(p, s, g):
             p, s = post(p, s, g)
@@ -481,7 +413,7 @@ def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
         return full, bad, init, scale_of
 
     def skipping(loss, pattern):
-        full, post, init, scale_of = bench.variant_lsj(loss, pattern, fused=True, mode="ieee")
+        full, post, init, scale_of = variants.variant_lsj(loss, pattern, fused=True, mode="ieee")
         return (
             full,
             lambda p, s, g: post(p, s, jax.tree_util.tree_map(lambda x: x * jnp.inf, g)),
@@ -489,9 +421,9 @@ def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
             scale_of,
         )
 
-    monkeypatch.setitem(bench.VARIANTS, "diverging", diverging)
-    monkeypatch.setitem(bench.VARIANTS, "skipping", skipping)
-    rows = bench.run_case(
+    monkeypatch.setitem(variants.VARIANTS, "diverging", diverging)
+    monkeypatch.setitem(variants.VARIANTS, "skipping", skipping)
+    rows = harness.run_case(
         "tiny/in_out/fp16grad/post", ["plain", "diverging", "skipping"], 1, 1, False, lambda m: None
     )
     refused = {r["variant"]: r["refused"] for r in rows}

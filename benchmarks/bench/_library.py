@@ -1,0 +1,71 @@
+"""The benchmark's one door to lossscale_jax's internals.
+
+Everything else in the package uses public names only (``lsj.loss_scaling``,
+``lsj.LossScalingState``, ``lsj.unscale``, ...). The prototypes need three things the library
+does not publish, and they are all here, so that when the library's private modules move this
+file changes and nothing else does:
+
+- ``numerics._leaf_flags`` (the per-leaf overflow check) and ``numerics._GROUP`` (how many
+  same-shape leaves one reduction checks), replaced while a step is traced
+  (``traced_with_check``);
+- the ``loss_scaling_parts`` that ``loss_scaling`` hangs on its update function (the inner
+  transformation and ``decide``), from which the Optax-path prototypes rebuild the step
+  (``loss_scaling_parts``);
+- ``numerics.overflow_flags``, the per-leaf record the compile-time skeleton checks with
+  (``leaf_overflow_vector``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lossscale_jax import numerics
+
+#: ``(leaves, mode, threshold) -> [one scalar bool per leaf]``: an overflow check that
+#: measures no range.
+LeafCheck = Callable[[list[jax.Array], str, float], list[jax.Array]]
+
+
+def _flags_only(check: LeafCheck) -> Callable:
+    """``check`` in ``numerics._leaf_flags``'s signature; it measures no range."""
+
+    def leaf_flags(leaves, mode, threshold, with_max=False):
+        if with_max:
+            raise NotImplementedError("the alternative checks measure no range (HeadroomScale)")
+        return check(leaves, mode, threshold)
+
+    return leaf_flags
+
+
+@contextlib.contextmanager
+def traced_with_check(check: LeafCheck | None = None, group: int | None = None) -> Iterator[None]:
+    """Traces the library with ``check`` as its per-leaf overflow check, or ``group`` same-shape
+    leaves per reduction (the library's own where None); both are restored on exit."""
+    saved = (numerics._leaf_flags, numerics._GROUP)
+    try:
+        if group is not None:
+            numerics._GROUP = group
+        if check is not None:
+            numerics._leaf_flags = _flags_only(check)
+        yield
+    finally:
+        numerics._leaf_flags, numerics._GROUP = saved
+
+
+def loss_scaling_parts(tx: optax.GradientTransformation) -> tuple[Any, Callable]:
+    """``(inner, decide)`` of a ``loss_scaling`` transformation: the wrapped transformation and
+    ``decide(scaled_grads, loss_scale, leaf_overflow) -> (loss_scale, apply, leaf_overflow)``."""
+    parts = tx.update.loss_scaling_parts
+    return parts.inner, parts.decide
+
+
+def leaf_overflow_vector(grads: Any) -> jax.Array:
+    """One ``bool`` per leaf of ``grads`` (``tree_leaves`` order): what ``loss_scaling`` checks
+    and records as ``leaf_overflow``."""
+    return jnp.stack(jax.tree_util.tree_leaves(numerics.overflow_flags(grads)))

@@ -1,0 +1,158 @@
+"""Cost of loss scaling per training step, against the plain step a user runs and the JAX peers.
+
+``python benchmarks/bench_step.py [flags]`` runs ``main``: it measures the cases (once per
+allocator, each in a child process, or in this process for ``--quick``), adds the two
+breakdowns on the default run or with ``--check-report``, and writes ``results.json``,
+``results.md`` and, for a default run into ``benchmarks/``, the marked blocks of
+docs/performance.md (``--render`` rewrites those from ``results.json`` without measuring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+
+from .breakdowns import check_report, compile_report
+from .harness import ALLOCATORS, DEFAULT_ALLOCATORS, allocator_env, log, run_children, run_here
+from .report import DOCS, HEADLINE, markdown, targets, update_docs
+from .variants import DEFAULT_VARIANTS, VARIANTS
+from .workloads import DEFAULT_CASES, QUICK_CASES, check_case
+
+BENCHMARKS = Path(__file__).resolve().parent.parent  # the default --out
+ENTRY = BENCHMARKS / "bench_step.py"  # the one command; the allocator children run it too
+COMMAND = "python benchmarks/bench_step.py"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny cases, in-process (smoke run)")
+    ap.add_argument("--cases", nargs="*", default=None, help="workload/layout/pattern/step")
+    ap.add_argument("--variants", nargs="*", default=None)
+    ap.add_argument("--allocators", nargs="*", default=None, choices=ALLOCATORS)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None, help="steps per variant per round")
+    ap.add_argument(
+        "--check-report",
+        action="store_true",
+        help="time the check formulations and take the compile time apart (default run: on)",
+    )
+    ap.add_argument("--out", default=str(BENCHMARKS), help="folder for results.json and results.md")
+    ap.add_argument(
+        "--render",
+        action="store_true",
+        help="rewrite results.md and the docs blocks from results.json (no measuring)",
+    )
+    ap.add_argument(
+        "--skip-slow-peers",
+        action="store_true",
+        help="leave jmp and Flax out of the 300-leaf cases (their compiles take minutes each)",
+    )
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON file to write
+    ap.add_argument("--no-compile-times", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """The one command; returns the rows it measured (or rendered)."""
+    args = parse_args(argv)
+    cases = args.cases or list(QUICK_CASES if args.quick else DEFAULT_CASES)
+    for case in cases:
+        check_case(case)
+    names = args.variants or list(DEFAULT_VARIANTS)
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(f"--variants: unknown variant {name!r}; choose from {list(VARIANTS)}.")
+    variants = ["plain"] + [v for v in names if v != "plain"]
+    rounds = args.rounds or (2 if args.quick else 7)
+    iters = args.iters or (2 if args.quick else 3)
+
+    if args.render:
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        (Path(args.out) / "results.md").write_text(markdown(saved["rows"], saved["meta"]))
+        if Path(args.out).resolve() == BENCHMARKS:
+            log(f"updated {DOCS}: {update_docs(saved['rows'], saved['meta'])}")
+        return saved["rows"]
+
+    if args.child:  # one allocator, in this process, rows to a file
+        rows = run_here(
+            cases,
+            variants,
+            rounds,
+            iters,
+            not args.no_compile_times,
+            os.environ.get("BENCH_ALLOCATOR", "default"),
+            args.skip_slow_peers,
+        )
+        Path(args.child).write_text(json.dumps(rows))
+        return rows
+
+    t_start, load_before = time.perf_counter(), _load()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = args.allocators or (["default"] if args.quick else list(DEFAULT_ALLOCATORS))
+    allocators = [a for a in wanted if allocator_env(a) is not None]
+    missing = [a for a in wanted if a not in allocators]
+    if args.quick and allocators == ["default"]:
+        # A smoke run: no compile times (they would need every cache cleared).
+        rows = run_here(cases, variants, rounds, iters, False, "default")
+    else:
+        child_args = ["--cases", *cases, "--variants", *variants]
+        child_args += ["--rounds", str(rounds), "--iters", str(iters)]
+        child_args += ["--skip-slow-peers"] if args.skip_slow_peers else []
+        cache = tempfile.mkdtemp(prefix="bench_step_cache_")
+        try:
+            rows = run_children(ENTRY, cache, allocators, child_args)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    default_run = not (args.quick or args.cases or args.variants or args.skip_slow_peers)
+    breakdowns = args.check_report or default_run
+    report = check_report(max(rounds, 5), log) if breakdowns else None
+    compiles = compile_report("deep_300", log) if breakdowns else None
+    meta = {
+        "command": " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {jax.devices()[0].platform}",
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "load_before": load_before,
+        "load_after": _load(),
+        "wall_s": time.perf_counter() - t_start,
+        "rounds": rounds,
+        "iters": iters,
+        "allocators": allocators,
+        "missing": missing,
+        "check_report": report,
+        "compile_report": compiles,
+    }
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "results.md").write_text(markdown(rows, meta))
+    if not args.quick and out.resolve() == BENCHMARKS and set(HEADLINE) <= set(cases):
+        log(f"updated {DOCS}: {update_docs(rows, meta)}")
+    log("\nTarget by target:")
+    for t, m, ok in targets(rows, allocators):
+        log(f"  [{ok.strip('*'):7s}] {t}: {m}")
+    for r in rows:
+        if r["refused"]:
+            log(f"  REFUSED {r['allocator']} {r['case']} {r['variant']}: {r['refused']}")
+    log(
+        f"wrote {out / 'results.json'} and {out / 'results.md'} "
+        f"({time.perf_counter() - t_start:.0f} s)"
+    )
+    return rows

@@ -1,0 +1,179 @@
+"""What a benchmark case trains: the models, their parameters, batches and gradients.
+
+A case is ``workload/layout/pattern/step``:
+
+- workload: ``mlp_20m`` (4 dense layers, 18.9M params, 8 leaves), ``deep_300`` (150 residual
+  layers of width 140, 2.96M params, 300 leaves); ``mlp_1m``, ``tiny``, ``tiny_deep``: smaller;
+- layout: ``in_out`` (kernels ``[in, out]``, ``h @ kernel``: Flax's ``nn.Dense``) or
+  ``out_in`` (``[out, in]``, ``h @ kernel.T``: torch's ``nn.Linear``);
+- pattern: ``fp16grad`` (gradients w.r.t. the float16 copy of float32 master weights) or
+  ``fp32grad`` (w.r.t. the float32 params, cast inside the loss: what Flax's
+  ``dtype=float16, param_dtype=float32`` modules give);
+- step: ``full`` (forward, backward, scaler, Adam, apply) or ``post`` (scaler, Adam, apply on
+  precomputed scaled gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F16 = jnp.float16
+F32 = jnp.float32
+INIT_SCALE = 2.0**12
+LR = 1e-4
+BATCH = 32
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mlp_1m": {"kind": "mlp", "widths": [384, 1024, 512, 256, 16]},
+    "mlp_20m": {"kind": "mlp", "widths": [2048, 4096, 2048, 1024, 16]},
+    "deep_300": {"kind": "resnet", "width": 140, "depth": 150},
+    "tiny": {"kind": "mlp", "widths": [32, 64, 32, 16, 8]},
+    "tiny_deep": {"kind": "resnet", "width": 16, "depth": 20},
+}
+LAYOUTS = ("in_out", "out_in")
+PATTERNS = ("fp16grad", "fp32grad")
+KINDS = ("full", "post")
+
+# The default run: the four headline cases (targets), the other layout and the fp32
+# gradient pattern on the 20M model.
+DEFAULT_CASES = (
+    "mlp_20m/in_out/fp16grad/full",
+    "mlp_20m/in_out/fp16grad/post",
+    "deep_300/in_out/fp16grad/full",
+    "deep_300/in_out/fp16grad/post",
+    "mlp_20m/out_in/fp16grad/full",
+    "mlp_20m/in_out/fp32grad/full",
+)
+QUICK_CASES = ("tiny/in_out/fp16grad/full", "tiny/in_out/fp16grad/post")
+
+
+def check_case(case: str) -> None:
+    """Raises ``ValueError`` unless ``case`` names a workload, layout, pattern and step."""
+    parts = case.split("/")
+    if (
+        len(parts) != 4
+        or parts[0] not in WORKLOADS
+        or parts[1] not in LAYOUTS
+        or parts[2] not in PATTERNS
+        or parts[3] not in KINDS
+    ):
+        raise ValueError(
+            f"--cases: {case!r} is not workload/layout/pattern/step with "
+            f"workload in {list(WORKLOADS)}, layout in {LAYOUTS}, pattern in "
+            f"{PATTERNS}, step in {KINDS}."
+        )
+
+
+def dense_shapes(widths: list[int], layout: str) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    for a, b in zip(widths[:-1], widths[1:], strict=True):
+        shapes += [(a, b) if layout == "in_out" else (b, a), (b,)]
+    return shapes
+
+
+def init_params(spec: dict[str, Any], layout: str, rng: np.random.Generator) -> dict:
+    params = {}
+    if spec["kind"] == "mlp":
+        for i, shape in enumerate(dense_shapes(spec["widths"], layout)):
+            fan_in = spec["widths"][i // 2]
+            std = np.sqrt(2.0 / fan_in) if len(shape) == 2 else 0.01
+            params[f"{i:03d}"] = jnp.asarray(rng.normal(0.0, std, shape), F32)
+    else:
+        w = spec["width"]
+        for i in range(spec["depth"]):
+            params[f"{2 * i:03d}"] = jnp.asarray(rng.normal(0.0, 0.02, (w, w)), F32)
+            params[f"{2 * i + 1:03d}"] = jnp.asarray(rng.normal(0.0, 0.01, (w,)), F32)
+    return params
+
+
+def make_loss(spec: dict[str, Any], layout: str) -> Callable:
+    """A float16 forward pass; the loss comes back in float32."""
+
+    def dense(h, kernel, bias):
+        return (h @ kernel if layout == "in_out" else h @ kernel.T) + bias
+
+    def forward(p, x):
+        leaves = [p[k] for k in sorted(p)]
+        h = x
+        if spec["kind"] == "mlp":
+            n = len(leaves) // 2
+            for i in range(n):
+                h = dense(h, leaves[2 * i], leaves[2 * i + 1])
+                if i < n - 1:
+                    h = jax.nn.relu(h)
+        else:
+            for i in range(len(leaves) // 2):
+                h = h + jnp.tanh(dense(h, leaves[2 * i], leaves[2 * i + 1]))
+        return h
+
+    def loss(p16, x, y):
+        return jnp.mean(jnp.square(forward(p16, x) - y).astype(F32))
+
+    return loss
+
+
+def make_batch(spec: dict[str, Any], rng: np.random.Generator) -> tuple[jax.Array, jax.Array]:
+    d_in, d_out = (
+        (spec["widths"][0], spec["widths"][-1]) if spec["kind"] == "mlp" else (spec["width"],) * 2
+    )
+    x = jnp.asarray(rng.normal(size=(BATCH, d_in)), F16)
+    y = jnp.asarray(rng.normal(size=(BATCH, d_out)) * 0.1, F16)
+    return x, y
+
+
+def to16(tree):
+    return jax.tree_util.tree_map(lambda a: a.astype(F16), tree)
+
+
+def cast_like(grads, params):
+    return jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
+def value_and_grads(loss, params, x, y, pattern, scale):
+    """The (unscaled) loss and the gradients of ``loss * scale`` in the user's pattern."""
+
+    def scaled(p):
+        value = loss(to16(p) if pattern == "fp32grad" else p, x, y)
+        return (value if scale is None else value * scale), value
+
+    target = params if pattern == "fp32grad" else to16(params)
+    (_, value), grads = jax.value_and_grad(scaled, has_aux=True)(target)
+    return value, grads
+
+
+class Case(NamedTuple):
+    """One case, built: ``args`` are what its step takes after ``(params, state)``: the batch
+    ``(x, y)`` for a full step, the scaled gradients ``(grads,)`` for a post step."""
+
+    workload: str
+    layout: str
+    pattern: str
+    kind: str
+    params: dict
+    loss: Callable
+    args: tuple
+
+
+def build_case(case: str) -> Case:
+    """Parameters, loss and step arguments of ``case``, from one seeded generator."""
+    workload, layout, pattern, kind = case.split("/")
+    spec = WORKLOADS[workload]
+    rng = np.random.default_rng(0)
+    params = init_params(spec, layout, rng)
+    x, y = make_batch(spec, rng)
+    if kind == "post":
+        gdtype = F16 if pattern == "fp16grad" else F32
+        # Scaled gradients as the backward pass would give them (|g| ~ 0.5 * 2**12 / 2**12).
+        args = (
+            jax.tree_util.tree_map(
+                lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.5, gdtype), params
+            ),
+        )
+    else:
+        args = (x, y)
+    return Case(workload, layout, pattern, kind, params, make_loss(spec, layout), args)
