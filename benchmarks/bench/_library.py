@@ -5,12 +5,12 @@ Everything else in the package uses public names only (``lsj.loss_scaling``,
 does not publish, and they are all here, so that when the library's private modules move this
 file changes and nothing else does:
 
-- ``numerics._leaf_flags`` (the per-leaf overflow check) and ``numerics._GROUP`` (how many
+- ``_check.leaf_flags`` (the per-leaf overflow check) and ``_check.GROUP`` (how many
   same-shape leaves one reduction checks), replaced while a step is traced
   (``traced_with_check``);
-- the ``loss_scaling_parts`` that ``loss_scaling`` hangs on its update function (the inner
-  transformation and ``decide``), from which the Optax-path prototypes rebuild the step
-  (``loss_scaling_parts``);
+- the engine a ``loss_scaling`` update carries (``_engine.engine_of``: the inner
+  transformation and the engine's check and decision), from which the Optax-path
+  prototypes rebuild the step (``loss_scaling_parts``);
 - ``numerics.overflow_flags``, the per-leaf record the compile-time skeleton checks with
   (``leaf_overflow_vector``).
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax import numerics
+from lossscale_jax import _check, _engine, numerics
 
 #: ``(leaves, mode, threshold) -> [one scalar bool per leaf]``: an overflow check that
 #: measures no range.
@@ -33,7 +33,7 @@ LeafCheck = Callable[[list[jax.Array], str, float], list[jax.Array]]
 
 
 def _flags_only(check: LeafCheck) -> Callable:
-    """``check`` in ``numerics._leaf_flags``'s signature; it measures no range."""
+    """``check`` in ``_check.leaf_flags``'s signature; it measures no range."""
 
     def leaf_flags(leaves, mode, threshold, with_max=False):
         if with_max:
@@ -47,22 +47,31 @@ def _flags_only(check: LeafCheck) -> Callable:
 def traced_with_check(check: LeafCheck | None = None, group: int | None = None) -> Iterator[None]:
     """Traces the library with ``check`` as its per-leaf overflow check, or ``group`` same-shape
     leaves per reduction (the library's own where None); both are restored on exit."""
-    saved = (numerics._leaf_flags, numerics._GROUP)
+    saved = (_check.leaf_flags, _check.GROUP)
     try:
         if group is not None:
-            numerics._GROUP = group
+            _check.GROUP = group
         if check is not None:
-            numerics._leaf_flags = _flags_only(check)
+            _check.leaf_flags = _flags_only(check)
         yield
     finally:
-        numerics._leaf_flags, numerics._GROUP = saved
+        _check.leaf_flags, _check.GROUP = saved
 
 
 def loss_scaling_parts(tx: optax.GradientTransformation) -> tuple[Any, Callable]:
     """``(inner, decide)`` of a ``loss_scaling`` transformation: the wrapped transformation and
     ``decide(scaled_grads, loss_scale, leaf_overflow) -> (loss_scale, apply, leaf_overflow)``."""
-    parts = tx.update.loss_scaling_parts
-    return parts.inner, parts.decide
+    built = _engine.engine_of(tx)
+    if built is None:
+        raise TypeError(f"tx must be built by lossscale_jax.loss_scaling, got {tx!r}.")
+    engine = built.engine
+
+    def decide(scaled_grads: Any, loss_scale: Any, leaf_overflow: Any) -> tuple[Any, Any, Any]:
+        check = engine.check(scaled_grads, loss_scale.scale, leaf_overflow)
+        new, apply = engine.decide(loss_scale, check)
+        return new, apply, check.flags
+
+    return built.inner, decide
 
 
 def leaf_overflow_vector(grads: Any) -> jax.Array:
