@@ -1,0 +1,381 @@
+"""Every front-end x every policy x every overflow mode against the engine's NumPy model.
+
+Hypothesis draws sequences of good and bad micro-batches (inf, -inf, nan, +-65504, a
+float32 gradient past 65504, ``-0.0`` gradients) for parameters that hold ``-0.0`` in
+float32 and float16 leaves; each front-end steps them and, after every call, its
+parameters, inner optimizer state, loss-scale state (every counter), per-leaf record,
+train-state step and ``metrics`` must equal ``reference_engine.Reference`` bit for bit
+(two nans count as equal; nothing else is loosened).
+
+Front-ends: the Optax path (``loss_scaling`` + ``optax.apply_updates``), the fused
+``apply_gradients``, ``loss_scaling_multi_steps`` (windows of 1 to 4), ``TrainState``
+(fused, and over windows), ``LossScaleOptimizer`` (NNX) and
+``compat.torch.multi_optimizer`` (two partitions, each skipped for its own overflow).
+
+Scales are powers of two (every policy's own, and the static ones chosen so): unscaling
+is then exact, so no backend's contraction of a multiply and an add into one fused
+multiply-add (XLA:CPU contracts the engine's ``acc + g / scale``) can change a bit; the
+inner transformation keeps the gradient it is handed without arithmetic on it, for the
+same reason. The
+unscale by other scales is checked against NumPy in test_core_numerics.py, and the fused
+step against the Optax path in test_flax.py and test_performance.py.
+
+Cost: one compilation per front-end and policy, which steps the three overflow modes at
+once (the fault is data, not a Python value).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_engine import Reference  # tests/ is on sys.path under pytest
+
+import lossscale_jax as lsj
+from lossscale_jax import compat
+
+pytestmark = pytest.mark.slow
+
+MODES = ("ieee", "saturating", "both")
+# Leaf order (tree_leaves, sorted keys): b (float32), h (float16), w (float32).
+PARAMS = {
+    "b": np.array([-0.0, 0.5], np.float32),
+    "h": np.array([0.25, -0.0, 1.0], np.float16),
+    "w": np.array([[0.25, -0.0, 0.0], [1.0, -0.5, 0.75]], np.float32),
+}
+# The gradients' dtypes: float16 for b and h (taken w.r.t. float16 copies), float32 for w
+# (taken w.r.t. the float32 weights, cast inside the loss).
+GRAD_DTYPES = {"b": np.float16, "h": np.float16, "w": np.float32}
+NAMES = sorted(PARAMS)
+SIZES = [PARAMS[k].size for k in NAMES]
+
+POLICIES = {
+    "no_scale": lsj.NoScale(),
+    "no_scale_skip": lsj.NoScale(skip_on_overflow=True),
+    "static_4": lsj.StaticScale(4.0),
+    "static_8_no_skip": lsj.StaticScale(8.0, skip_on_overflow=False),
+    "dynamic": lsj.DynamicScale(
+        init_scale=2.0**4, growth_interval=2, hysteresis=2, min_scale=1.0, max_scale=2.0**6
+    ),
+    "tolerant": lsj.TolerantDynamicScale(
+        init_scale=2.0**5,
+        growth_interval=3,
+        overflow_tolerance=0.34,
+        min_scale=2.0,
+        max_scale=2.0**8,
+    ),
+    "headroom": lsj.HeadroomScale(
+        init_scale=2.0**10, window=4, margin_interval=3, max_margin=3, max_scale=2.0**20
+    ),
+}
+
+
+class CountState(NamedTuple):
+    count: jax.Array
+    last: Any
+
+
+def counting_sgd() -> optax.GradientTransformation:
+    """The reference's inner rule: ``updates = g * -0.5``, ``count += 1``, ``last = g``.
+
+    ``last`` keeps the gradient handed over as it is (no arithmetic on it: a sum would
+    let XLA contract the producer of ``g``, the window's mean, with it into one fused
+    multiply-add, and the optimization barrier that could stop it is removed on CPU).
+    """
+
+    def init(params):
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return CountState(jnp.zeros([], jnp.int32), zeros)
+
+    def update(updates, state, params=None):
+        out = jax.tree_util.tree_map(lambda g: g * jnp.asarray(-0.5, g.dtype), updates)
+        return out, CountState(state.count + 1, updates)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _params() -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in PARAMS.items()}
+
+
+class View(NamedTuple):
+    """What is compared after every call, as lists in leaf order."""
+
+    params: list[np.ndarray]
+    counts: list[int]  # per inner partition
+    last: list[np.ndarray]  # per leaf: the last gradient the inner state kept
+    loss_scale: lsj.LossScaleState
+    record: np.ndarray
+    metrics: dict[str, Any]
+    applied: int | None  # a train state's step; None where there is none
+
+
+def _leaves(tree: Any) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _view(params, opt_state, applied=None) -> View:
+    owner = opt_state
+    if isinstance(owner.inner_state, CountState):
+        counts = [int(owner.inner_state.count)]
+        last = _leaves(owner.inner_state.last)
+    else:  # multi_optimizer: optax.multi_transform's state, one CountState per label
+        parts = owner.inner_state.inner_states
+        counts = [int(parts[k].inner_state.count) for k in ("x", "y")]
+        by_leaf = {}
+        for k in ("x", "y"):
+            flat = jax.tree_util.tree_flatten_with_path(parts[k].inner_state.last)[0]
+            by_leaf.update({jax.tree_util.keystr(p): np.asarray(x) for p, x in flat})
+        last = [by_leaf[f"['{n}']"] for n in NAMES]
+    metrics = {k: np.asarray(v) for k, v in lsj.metrics(opt_state).items()}
+    record = np.asarray(owner.leaf_overflow)
+    return View(_leaves(params), counts, last, owner.loss_scale, record, metrics, applied)
+
+
+# ------------------------------------------------------------------ front-ends
+
+
+class FrontEnd:
+    """Builds, for one policy, a jitted step that advances the three modes at once."""
+
+    every_k = 1
+    groups: list[list[int]] | None = None
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.step = jax.jit(self._step_all)
+
+    def tx(self, mode: str) -> optax.GradientTransformation:
+        if self.every_k == 1:
+            return lsj.loss_scaling(counting_sgd(), self.policy, overflow=mode)
+        return lsj.loss_scaling_multi_steps(
+            counting_sgd(), self.policy, every_k=self.every_k, overflow=mode
+        )
+
+    def init(self) -> dict:
+        return {m: self.init_one(m) for m in MODES}
+
+    def _step_all(self, carry, grads):
+        return {m: self.step_one(m, carry[m], grads) for m in MODES}
+
+    def init_one(self, mode):
+        params = _params()
+        return params, self.tx(mode).init(params)
+
+    def step_one(self, mode, carry, grads):
+        params, opt_state = carry
+        updates, opt_state = self.tx(mode).update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def view(self, carry, mode: str) -> View:
+        return _view(*carry)
+
+
+class Fused(FrontEnd):
+    def step_one(self, mode, carry, grads):
+        params, opt_state = carry
+        return lsj.apply_gradients(self.tx(mode), grads, opt_state, params)
+
+
+class Accumulation(FrontEnd):
+    def __init__(self, policy, every_k):
+        self.every_k = every_k
+        super().__init__(policy)
+
+
+class Linen(FrontEnd):
+    def __init__(self, policy, every_k):
+        self.every_k = every_k
+        super().__init__(policy)
+
+    def init_one(self, mode):
+        return lsj.TrainState.create(apply_fn=None, params=_params(), tx=self.tx(mode))
+
+    def step_one(self, mode, carry, grads):
+        return carry.apply_gradients(grads=grads)
+
+    def view(self, carry, mode):
+        return _view(carry.params, carry.opt_state, int(carry.step))
+
+
+class _Net(nnx.Module):
+    def __init__(self):
+        for k in NAMES:
+            setattr(self, k, nnx.Param(jnp.asarray(PARAMS[k])))
+
+
+class Nnx(FrontEnd):
+    def __init__(self, policy, every_k):
+        self.every_k = every_k
+        self.graphdefs = {}
+        super().__init__(policy)
+
+    def init_one(self, mode):
+        model = _Net()
+        opt = lsj.LossScaleOptimizer(model, self.tx(mode), wrt=nnx.Param)
+        graphdef, state = nnx.split((model, opt))
+        self.graphdefs[mode] = graphdef
+        return state
+
+    def step_one(self, mode, carry, grads):
+        model, opt = nnx.merge(self.graphdefs[mode], carry)
+        grad_state = jax.tree_util.tree_map(
+            lambda v, g: v.replace(g),
+            nnx.state(model, nnx.Param),
+            nnx.State(grads),
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+        opt.update(model, grad_state)
+        return nnx.split((model, opt))[1]
+
+    def view(self, carry, mode):
+        model, opt = nnx.merge(self.graphdefs[mode], carry)
+        params = {k: getattr(model, k)[...] for k in NAMES}
+        return _view(params, nnx.as_pure(opt.opt_state), int(opt.step[...]))
+
+
+class MultiOptimizer(FrontEnd):
+    groups = [[0, 2], [1]]  # labels: b, w -> "x"; h -> "y"
+
+    def tx(self, mode):
+        return compat.torch.multi_optimizer(
+            {"x": counting_sgd(), "y": counting_sgd()},
+            {"b": "x", "h": "y", "w": "x"},
+            self.policy,
+            overflow=mode,
+        )
+
+
+FRONT_ENDS = {
+    "optax": lambda p: FrontEnd(p),
+    "fused": lambda p: Fused(p),
+    "accumulation_1": lambda p: Accumulation(p, 1),
+    "accumulation_3": lambda p: Accumulation(p, 3),
+    "train_state": lambda p: Linen(p, 1),
+    "train_state_accumulation_2": lambda p: Linen(p, 2),
+    "nnx": lambda p: Nnx(p, 1),
+    "nnx_accumulation_4": lambda p: Nnx(p, 4),
+    "multi_optimizer": lambda p: MultiOptimizer(p),
+}
+
+
+@functools.cache
+def front_end(name: str, policy_name: str) -> FrontEnd:
+    return FRONT_ENDS[name](POLICIES[policy_name])
+
+
+# ------------------------------------------------------------------ data
+
+FAULTS = [np.inf, -np.inf, np.nan, 65504.0, -65504.0, 1.0e5]
+
+
+@st.composite
+def micro_batches(draw, allow_nan: bool):
+    """A list of micro-batches: per leaf, multiples of 1/8 in [-4, 4] (``-0.0`` among
+    them), and maybe one fault at one element."""
+    n = draw(st.integers(1, 9))
+    batches = []
+    for _ in range(n):
+        grads = {}
+        for k, size in zip(NAMES, SIZES, strict=True):
+            values = draw(st.lists(st.integers(-32, 32), min_size=size, max_size=size))
+            g = np.array(values, np.float64).reshape(PARAMS[k].shape) / 8.0
+            g[g == 0] = -0.0 if draw(st.booleans()) else 0.0
+            grads[k] = g.astype(GRAD_DTYPES[k])
+        if draw(st.booleans()):
+            faults = FAULTS if allow_nan else [f for f in FAULTS if not np.isnan(f)]
+            value = draw(st.sampled_from(faults))
+            leaf = draw(st.sampled_from(NAMES))
+            index = draw(st.integers(0, grads[leaf].size - 1))
+            if value == 1.0e5 and GRAD_DTYPES[leaf] == np.float16:
+                value = np.inf  # past float16's range: what a float16 backward pass writes
+            with np.errstate(over="ignore"):
+                grads[leaf].reshape(-1)[index] = value
+        batches.append(grads)
+    return batches
+
+
+# ------------------------------------------------------------------ comparison
+
+
+def _same(a: Any, b: Any, what: str) -> None:
+    """Bit for bit (dtype, shape, bytes); a nan equals any nan."""
+    x, y = np.asarray(a), np.asarray(b)
+    assert x.dtype == y.dtype and x.shape == y.shape, (
+        f"{what}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
+    )
+    if np.issubdtype(x.dtype, np.floating):
+        both_nan = np.isnan(x) & np.isnan(y)
+        xb = np.where(both_nan, 0, x).view(f"u{x.itemsize}")
+        yb = np.where(both_nan, 0, y).view(f"u{y.itemsize}")
+        assert np.array_equal(xb, yb), f"{what}: {x!r} vs {y!r}"
+    else:
+        assert np.array_equal(x, y), f"{what}: {x!r} vs {y!r}"
+
+
+def _compare(view: View, ref: Reference, where: str) -> None:
+    for i, name in enumerate(NAMES):
+        _same(view.params[i], ref.params[i], f"{where}: params {name}")
+        owner = next(r for r, g in zip(ref.inner, ref.groups, strict=True) if i in g)
+        _same(view.last[i], owner.last[i], f"{where}: inner state's last gradient {name}")
+    assert view.counts == [r.count for r in ref.inner], f"{where}: inner counts"
+    ls, rs = view.loss_scale, ref.ls
+    _same(ls.scale, np.float32(rs.scale), f"{where}: scale")
+    for f in (
+        "growth_count",
+        "hysteresis_count",
+        "total_steps",
+        "overflow_steps",
+        "skipped_steps",
+        "margin",
+    ):
+        _same(getattr(ls, f), np.int32(getattr(rs, f)), f"{where}: {f}")
+    for f in ("last_overflow", "last_skipped", "stuck"):
+        _same(getattr(ls, f), np.bool_(getattr(rs, f)), f"{where}: {f}")
+    _same(ls.recent_overflow_rate, rs.recent_overflow_rate, f"{where}: recent_overflow_rate")
+    _same(ls.range_peak, np.float32(rs.range_peak), f"{where}: range_peak")
+    _same(view.record, ref.record, f"{where}: leaf_overflow")
+    expected = ref.metrics()
+    assert set(view.metrics) == set(expected), where
+    for k, v in expected.items():
+        _same(view.metrics[k], np.asarray(v, view.metrics[k].dtype), f"{where}: metrics[{k}]")
+    if view.applied is not None:
+        assert view.applied == ref.applied_steps, f"{where}: train state step"
+
+
+def _to_device(grads: dict) -> dict:
+    return {k: jnp.asarray(v) for k, v in grads.items()}
+
+
+@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(FRONT_ENDS))
+def test_front_end_matches_the_reference(name, policy_name):
+    front = front_end(name, policy_name)
+    allow_nan = not POLICIES[policy_name].measures_range  # the range of a nan: unspecified
+    leaves = [PARAMS[k] for k in NAMES]
+
+    @settings(max_examples=6, deadline=None)
+    @given(micro_batches(allow_nan))
+    def check(batches):
+        carry = front.init()
+        refs = {
+            m: Reference(
+                POLICIES[policy_name], leaves, mode=m, every_k=front.every_k, groups=front.groups
+            )
+            for m in MODES
+        }
+        for t, grads in enumerate(batches):
+            carry = front.step(carry, _to_device(grads))
+            for m in MODES:
+                refs[m].step([grads[k] for k in NAMES])
+                _compare(front.view(carry[m], m), refs[m], f"{name}/{policy_name}/{m} call {t}")
+
+    check()
