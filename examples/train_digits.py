@@ -233,8 +233,8 @@ def where_it_underflows(params, batch_stats, x, y, seed=0, deep=6):
     settings = {
         "mean loss (the default setting)": 1.0,
         f"summed loss (mean x {n})": float(n),
-        "mean loss x 2**-4 (a loss scale of 1/16)": 2.0**-4,
-        "mean loss x 2**-8 (a loss scale of 1/256)": 2.0**-8,
+        "mean loss x 2^-4 (a loss scale of 1/16)": 2.0**-4,
+        "mean loss x 2^-8 (a loss scale of 1/256)": 2.0**-8,
     }
     rows = {}
     for name, factor in settings.items():
@@ -347,7 +347,7 @@ def format_table(rows, steps, seeds, loss_weight=1.0) -> str:
     weight = "" if loss_weight == 1.0 else f" x {loss_weight:g}"
     lines.append(
         f"\n{steps} steps of Adam({LR:g}), batch {BATCH}, mean cross-entropy{weight}; "
-        f"DynamicScale(init_scale=2**15, growth_interval={DYNAMIC['growth_interval']})."
+        f"`DynamicScale(init_scale=2**15, growth_interval={DYNAMIC['growth_interval']})`."
     )
     return "\n".join(lines)
 

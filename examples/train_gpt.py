@@ -121,7 +121,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "update_2^19",
         TOKENS / UPDATE_TOKENS,
-        f"one {TOKENS:,}-token micro-batch of a 2**19-token update per step: "
+        f"one {TOKENS:,}-token micro-batch of a 2^19-token update per step: "
         f"loss = micro-batch mean / {UPDATE_TOKENS // TOKENS}, no accumulation",
     ),
 )
