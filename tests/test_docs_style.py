@@ -1,10 +1,11 @@
 """The Markdown the site is built from reads right in a browser.
 
-Three defects that the build itself does not report:
+Defects that the build itself does not report:
 
 - ``2**19`` written outside code: Markdown reads the two ``**`` as bold markers, and the
   rest of the paragraph comes out in bold with the exponent lost;
-- code lines wider than 88 columns: the page's code box is 88 columns wide, so such a block
+- code lines wider than 88 columns (in the pages' code blocks and in the example scripts, which
+  the examples pages show in full): the page's code box is 88 columns wide, so such a block
   scrolls sideways and the end of its lines (often the comment that explains them) is hidden;
 - sentences about how the project was built or measured ("the development machine"): a
   reader needs what to expect on their own hardware, and a benchmark states the machine and
@@ -106,6 +107,13 @@ def test_no_double_star_between_digits_outside_code(page):
 def test_code_lines_fit_the_page(page):
     found = wide_code_lines(page.read_text())
     assert not found, f"{_name(page)}: {len(found)} code lines over {MAX_CODE_COLUMNS}: {found}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_name)
+def test_example_scripts_fit_the_page(script):
+    # The examples pages show each script in full (examples/ruff.toml formats them so).
+    found = [line for line in script.read_text().splitlines() if len(line) > MAX_CODE_COLUMNS]
+    assert not found, f"{_name(script)}: {len(found)} lines over {MAX_CODE_COLUMNS}: {found}"
 
 
 @pytest.mark.parametrize("page", SOURCES + SCRIPTS, ids=_name)
