@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # suite is mostly single-threaded compilation); two keep both busy.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck clean docs doctest dist
+.PHONY: demo test lint typecheck clean docs docs-outputs doctest dist
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext
-	$(BIN)/ruff format --check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext
+	$(BIN)/ruff check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext docs/_inventories
+	$(BIN)/ruff format --check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext docs/_inventories
 
 # The type check (pyright; settings in pyproject.toml): no error in the package, and the type of
 # every public name known (--verifytypes fails below 100%; it reads the interpreter on PATH and
@@ -38,6 +38,18 @@ typecheck: $(STAMP)
 # The documentation site, into docs/_build/html; any warning fails (as in the test suite).
 docs: $(STAMP)
 	$(BIN)/python -m sphinx -b html -n -W --keep-going docs docs/_build/html
+
+# What the example scripts print and draw, as the docs show it (docs/examples/*.md and the
+# GPT job's table and plot on docs/validating.md): every example run with its defaults, the
+# outputs written to docs/_static/examples. About five minutes on two CPU cores, most of it
+# the GPT job. Commit the files it changes with the change that changed them.
+EXAMPLE_OUT := docs/_static/examples
+docs-outputs: $(STAMP)
+	mkdir -p $(EXAMPLE_OUT)
+	for name in linear_regression_underflow npu_saturation data_parallel; do \
+		$(BIN)/python examples/$$name.py > $(EXAMPLE_OUT)/$$name.txt || exit 1; done
+	$(BIN)/python examples/train_digits.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
+	$(BIN)/python examples/train_gpt.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
 
 # The docstring examples alone (the test suite runs them too).
 doctest: $(STAMP)

@@ -1,4 +1,4 @@
-"""Sphinx configuration: the guides (docs/*.md, README.md as the index) and the API reference.
+"""Sphinx configuration: the guides (docs/*.md, README.md on the front page) and the API reference.
 
 ``make docs`` builds the site into ``docs/_build/html``; ``tests/test_docs_site.py`` builds it
 with warnings as errors, so a broken link or cross-reference or a public name without a
@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from typing import Any
 
 DOCS = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS / "_ext"))
+sys.path.insert(0, str(DOCS / "_inventories"))
 sys.path.insert(0, str(DOCS.parent))  # the checkout's package, installed or not
+
+from make_inventories import PROJECTS  # noqa: E402
 
 import lossscale_jax  # noqa: E402
 
@@ -26,13 +30,16 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
+    "sphinx.ext.intersphinx",
+    "sphinx_copybutton",
     "apiref",
+    "namelinks",
     "repolinks",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_inventories"]
 templates_path: list[str] = []
 
 # Markdown: GitHub-style heading anchors, so "page.md#a-heading" links resolve.
@@ -42,6 +49,7 @@ myst_enable_extensions = ["colon_fence"]
 # Repository files that are pages of the site (docs/_ext/repolinks.py rewrites links to them).
 repolinks_pages = {
     "README.md": "index",
+    "CHANGELOG.md": "changelog",
     "benchmarks/README.md": "benchmarks",
     "benchmarks/results.md": "benchmark_results",
 }
@@ -67,13 +75,45 @@ napoleon_attr_annotations = False  # the Attributes text says the dtype
 python_maximum_signature_line_length = 88
 add_module_names = False
 
-# Every reference to a name of this package must resolve; references to other
-# libraries' names (jax.Array, optax.Params, builtins) are plain text here.
+# Every reference to a name of this package must resolve; references to other libraries'
+# names (jax.Array, optax.Params) link to their documentation where the inventories below
+# list them, and are plain text otherwise.
 nitpicky = True
 nitpick_ignore_regex = [(r"py:.*", r"(?!lossscale_jax(\.|$)).*")]
+
+# jax, optax, flax and chex names link to those libraries' documentation. The inventories are
+# files of this directory (docs/_inventories/make_inventories.py writes them), so the build
+# needs no network.
+intersphinx_mapping = {
+    name: (root, str(DOCS / "_inventories" / f"{name}.inv")) for name, (root, _) in PROJECTS.items()
+}
+
+# Copy buttons on code blocks copy the code without the prompts (>>>, ...) and the printed
+# output of docstring examples.
+copybutton_exclude = ".linenos, .gp, .go"
+
 
 html_theme = "furo"
 html_title = f"lossscale_jax {release}"
 html_static_path = ["_static"]
-html_css_files = ["tables.css"]
+html_css_files = ["site.css"]
 html_show_sourcelink = False
+
+
+# A slot in the navigation: "How the package is laid out" (docs/architecture.md), when it
+# exists, is the first page of the Background section.
+SLOTS = {"Background": ["architecture"]}
+
+
+def _fill_slots(app: Any, docname: str, source: list[str]) -> None:
+    if docname != "index":
+        return
+    for caption, pages in SLOTS.items():
+        present = "".join(f"{p}\n" for p in pages if (DOCS / f"{p}.md").exists())
+        source[0] = source[0].replace(
+            f":caption: {caption}\n\n", f":caption: {caption}\n\n{present}"
+        )
+
+
+def setup(app: Any) -> None:
+    app.connect("source-read", _fill_slots)

@@ -1,12 +1,13 @@
-"""Data-parallel loss scaling on 8 CPU devices: every device takes the same skip decision.
+"""Data-parallel loss scaling on 8 CPU devices: all devices take one skip decision.
 
 The same float16 model is trained twice, with ``jax.pmap`` and with ``jax.shard_map``,
 on 8 (fake) CPU devices. Now and then one device is fed a poisoned batch (an inf in its
-input), so only that device's gradients overflow. ``loss_scaling(..., axis_name="batch")``
-ORs the overflow flag over the devices with one scalar all-reduce before deciding, so all 8
-devices skip the step, halve the scale and keep identical states. A last step shows the
-saturation-mode case: two devices write +65504 and -65504 (what saturating hardware writes
-instead of +-inf) into the same gradient entry; their mean is finite, yet every device skips.
+input), so only that device's gradients overflow. ``loss_scaling(...,
+axis_name="batch")`` ORs the overflow flag over the devices with one scalar all-reduce
+before deciding, so all 8 devices skip the step, halve the scale and keep identical
+states. A last step shows the saturation-mode case: two devices write +65504 and -65504
+(what saturating hardware writes instead of +-inf) into the same gradient entry; their
+mean is finite, yet every device skips.
 
 Run: python examples/data_parallel.py
 """
@@ -42,7 +43,7 @@ W_TRUE = np.array([[1.0, -2.0], [0.5, 0.0], [-1.5, 1.0], [0.25, 0.75]], np.float
 
 
 def replicate(tree):
-    """One copy per device along a new leading axis: what ``pmap`` takes as replicated input."""
+    """One copy per device along a new leading axis: ``pmap``'s replicated input."""
     return jax.tree_util.tree_map(
         lambda a: np.broadcast_to(np.asarray(a), (NUM_DEVICES, *np.shape(a))), tree
     )
@@ -55,8 +56,9 @@ def loss_fn(params, x, y):
 
 
 def make_tx():
-    # Check first, average after: the inner chain averages the unscaled float32 gradients
-    # across devices, and only runs when the (already reduced) decision is "apply".
+    # Check first, average after: the inner chain averages the unscaled float32
+    # gradients across devices, and only runs when the (already reduced) decision is
+    # "apply".
     average = optax.stateless(lambda g, p: lax.pmean(g, AXIS))
     inner = optax.chain(average, optax.adam(5e-2))
     return lsj.loss_scaling(inner, POLICY, overflow="both", axis_name=AXIS)
@@ -73,7 +75,7 @@ def make_data():
 
 
 def train_steps(tx, params, opt_state, xs, ys, local_params):
-    """Runs all steps with ``lax.scan``; returns the final state and per-step metrics."""
+    """Runs all steps with ``lax.scan``; returns the final state and the metrics."""
 
     def body(carry, batch):
         params, opt_state = carry
@@ -94,7 +96,9 @@ def run_pmap(params, x, y):
     tx = make_tx()
     n = NUM_DEVICES
 
-    def per_device(a):  # (steps, n * B, ...) -> (n, steps, B, ...): device d gets its rows
+    def per_device(
+        a,
+    ):  # (steps, n * B, ...) -> (n, steps, B, ...): device d gets its rows
         return np.moveaxis(a.reshape(STEPS, n, LOCAL_BATCH, *a.shape[2:]), 1, 0)
 
     def step(params, opt_state, xs, ys):
@@ -111,11 +115,14 @@ def run_shard_map(params, x, y):
     mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
 
     def step(params, opt_state, xs, ys):
-        # Replicated params (P()) would give gradients that shard_map's AD already summed
-        # over the mesh; casting them to "varying" keeps each device's own gradients, so the
-        # check sees them before any averaging (required in saturating mode).
+        # Replicated params (P()) would give gradients that shard_map's AD already
+        # summed over the mesh; casting them to "varying" keeps each device's own
+        # gradients, so the check sees them before any averaging (required in saturating
+        # mode).
         local = lambda p: lax.pcast(p, AXIS, to="varying")  # noqa: E731
-        (params, opt_state), (scales, skips) = train_steps(tx, params, opt_state, xs, ys, local)
+        (params, opt_state), (scales, skips) = train_steps(
+            tx, params, opt_state, xs, ys, local
+        )
         return params, scales.T[None], skips.T[None]  # metrics: one row per device
 
     fn = jax.jit(
@@ -123,7 +130,11 @@ def run_shard_map(params, x, y):
             step,
             mesh=mesh,
             in_specs=(P(), P(), P(None, AXIS), P(None, AXIS)),
-            out_specs=(P(), P(AXIS), P(AXIS)),  # P() for params: shard_map checks they agree
+            out_specs=(
+                P(),
+                P(AXIS),
+                P(AXIS),
+            ),  # P() for params: shard_map checks they agree
         )
     )
     batch = NamedSharding(mesh, P(None, AXIS))
@@ -134,9 +145,12 @@ def run_shard_map(params, x, y):
 
 
 def saturating_step():
-    """One step in which device 0 writes +65504 and device 5 writes -65504 in one entry."""
+    """One step in which devices 0 and 5 write +65504 and -65504 into one entry."""
     tx = make_tx()
-    params = {"w": jnp.zeros((FEATURES, 2), jnp.float32), "b": jnp.zeros(2, jnp.float32)}
+    params = {
+        "w": jnp.zeros((FEATURES, 2), jnp.float32),
+        "b": jnp.zeros(2, jnp.float32),
+    }
     grads = np.ones((NUM_DEVICES, FEATURES, 2), np.float16)
     grads[0, 1, 1], grads[5, 1, 1] = 65504.0, -65504.0
     grads = {"w": grads, "b": np.ones((NUM_DEVICES, 2), np.float16)}
@@ -153,9 +167,12 @@ def saturating_step():
 
 
 def report(name, scales, skips):
-    """Prints each device's scale and skip count around every poisoned step and at the end."""
+    """Prints each device's scale and skip count around each poisoned step, and last."""
     print(f"\n{name}: {NUM_DEVICES} devices, {STEPS} steps")
-    print(f"{'step':>5}  {'poisoned':>9}  loss scale on devices 0..7 | skipped steps on 0..7")
+    print(
+        f"{'step':>5}  {'poisoned':>9}  "
+        "loss scale on devices 0..7 | skipped steps on 0..7"
+    )
     for t in [*sorted({s + d for s in POISONED for d in (-1, 0)}), STEPS - 1]:
         who = f"device {POISONED[t]}" if t in POISONED else "-"
         sc = " ".join(f"{s:g}" for s in scales[:, t])
@@ -167,7 +184,10 @@ def report(name, scales, skips):
 
 
 def main():
-    params = {"w": jnp.zeros((FEATURES, 2), jnp.float32), "b": jnp.zeros(2, jnp.float32)}
+    params = {
+        "w": jnp.zeros((FEATURES, 2), jnp.float32),
+        "b": jnp.zeros(2, jnp.float32),
+    }
     x, y = make_data()
     results = {}
     for name, run in [("pmap", run_pmap), ("shard_map", run_shard_map)]:
@@ -189,7 +209,10 @@ def main():
     print("true w          :", np.array2string(W_TRUE, precision=2).replace("\n", ""))
 
     mean_only, skipped = saturating_step()
-    print("\nsaturating devices: device 0 writes +65504, device 5 writes -65504, same entry")
+    print(
+        "\nsaturating devices: "
+        "device 0 writes +65504, device 5 writes -65504, same entry"
+    )
     print(f"  overflow seen by a check of the averaged gradients: {mean_only.tolist()}")
     print(f"  skipped with axis_name='batch', per device:        {skipped.tolist()}")
     results.update(same=same, mean_only=mean_only, saturated_skipped=skipped)

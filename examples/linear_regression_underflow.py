@@ -42,7 +42,9 @@ def fp32_gradient(params):
 def fp16_gradient(params, scale):
     """Gradient taken in float16 of ``scale * loss``, w.r.t. the float16 copy."""
     p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), params)
-    return jax.grad(lambda p: loss_fn(p, jnp.float16) * jnp.asarray(scale, jnp.float16))(p16)
+    return jax.grad(
+        lambda p: loss_fn(p, jnp.float16) * jnp.asarray(scale, jnp.float16)
+    )(p16)
 
 
 def initial_params():
@@ -60,7 +62,9 @@ def train(policy):
         # Gradients w.r.t. the float16 copy of the float32 master weights;
         # the update is applied to the float32 weights.
         p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), params)
-        grads = jax.grad(lambda p: lsj.scale_loss(loss_fn(p, jnp.float16), opt_state))(p16)
+        grads = jax.grad(lambda p: lsj.scale_loss(loss_fn(p, jnp.float16), opt_state))(
+            p16
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 

@@ -1,21 +1,22 @@
-"""Saturation mode, emulated on CPU: the IEEE check misses overflows a saturating check sees.
+"""Saturation mode, emulated on CPU: the IEEE check misses what a saturating check sees.
 
-On an Ascend NPU in saturation mode a float16 overflow writes ±65504 instead of inf (and nan
-becomes 0). ``lsj.testing.saturating`` evaluates the gradient function that way on any
-host. A small float16 MLP (float32 master weights, momentum SGD) starts with a loss scale of
-2**24, far too large: its scaled gradients overflow. Four runs see the same data:
+On an Ascend NPU in saturation mode a float16 overflow writes ±65504 instead of inf (and
+nan becomes 0). ``lsj.testing.saturating`` evaluates the gradient function that way on
+any host. A small float16 MLP (float32 master weights, momentum SGD) starts with a loss
+scale of 2**24, far too large: its scaled gradients overflow. Four runs see the same
+data:
 
-- ``IEEE device, ieee``: the reference. The first steps overflow (inf), are skipped and the
-  scale backs off until the gradients fit; then it trains.
+- ``IEEE device, ieee``: the reference. The first steps overflow (inf), are skipped and
+  the scale backs off until the gradients fit; then it trains.
 - ``saturating, ieee``: the gradients hold ±65504 instead of inf, the inf/nan check sees
   nothing, no step is skipped, the scale never backs off and the clamped gradients
   (``65504 / scale`` at most) barely move the weights: training lags far behind.
 - ``saturating, saturating`` and ``saturating, both``: ``|g| >= 65504`` is caught, the
   same steps are skipped, the scale backs off the same way and training follows the
-  reference step for step, until a step where IEEE hardware computes a gradient of exactly
-  65504 (values in [65504, 65520) round to 65504, not to inf): the saturating check skips it
-  too, the IEEE check does not, and from there the two runs differ a little while training
-  equally well.
+  reference step for step, until a step where IEEE hardware computes a gradient of
+  exactly 65504 (values in [65504, 65520) round to 65504, not to inf): the saturating
+  check skips it too, the IEEE check does not, and from there the two runs differ a
+  little while training equally well.
 
 Run: ``python examples/npu_saturation.py``
 """
@@ -49,7 +50,7 @@ RUNS = (  # (label, emulate saturation, overflow check)
 
 
 def make_data(steps: int, batch: int, seed: int = SEED):
-    """Inputs and targets of a random teacher MLP: ``steps`` batches plus a held-out set."""
+    """Inputs and targets of a random teacher MLP: ``steps`` batches, a held-out set."""
     rng = np.random.default_rng(seed)
     w1 = rng.normal(size=(IN, HIDDEN)) / np.sqrt(IN)
     w2 = rng.normal(size=(HIDDEN, 1)) * 3.0 / np.sqrt(HIDDEN)
@@ -72,7 +73,7 @@ def init_params(seed: int = SEED + 1) -> dict[str, jax.Array]:
 
 
 def loss_fn(params, x, y):
-    """Mean squared error; the MLP computes in the dtype of ``params``, the loss in float32."""
+    """Mean squared error; the MLP computes in ``params``' dtype, the loss in fp32."""
     dtype = params["w1"].dtype
     h = jnp.tanh(x.astype(dtype) @ params["w1"] + params["b1"])
     pred = (h @ params["w2"] + params["b2"]).astype(jnp.float32)
@@ -85,7 +86,7 @@ def make_tx(overflow: str) -> optax.GradientTransformationExtraArgs:
 
 
 def gradient_fn(emulate_saturation: bool):
-    """``grad(scaled loss)`` w.r.t. the float16 params; saturating like an NPU if asked."""
+    """``grad(scaled loss)`` w.r.t. the float16 params; saturating (an NPU) if asked."""
 
     def scaled_loss(p16, opt_state, x, y):
         return lsj.scale_loss(loss_fn(p16, x, y), opt_state)
@@ -94,7 +95,9 @@ def gradient_fn(emulate_saturation: bool):
     return lsj.testing.saturating(grad) if emulate_saturation else grad
 
 
-def train(emulate_saturation: bool, overflow: str, data, eval_data) -> dict[str, np.ndarray]:
+def train(
+    emulate_saturation: bool, overflow: str, data, eval_data
+) -> dict[str, np.ndarray]:
     """Trains from the same start on ``data``; per step: eval loss, scale, skipped."""
     tx = make_tx(overflow)
     grad = gradient_fn(emulate_saturation)
@@ -106,7 +109,11 @@ def train(emulate_saturation: bool, overflow: str, data, eval_data) -> dict[str,
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         m = lsj.metrics(opt_state)
-        return (params, opt_state), (loss_fn(params, *eval_data), m["loss_scale"], m["skipped"])
+        return (params, opt_state), (
+            loss_fn(params, *eval_data),
+            m["loss_scale"],
+            m["skipped"],
+        )
 
     @jax.jit
     def run(params, data):
@@ -124,15 +131,24 @@ def main(steps: int = STEPS, batch: int = BATCH, every: int = 10) -> dict[str, d
     results = {label: train(sat, mode, data, eval_data) for label, sat, mode in RUNS}
 
     print(f"float16 MLP, DynamicScale(init_scale=2**24), momentum SGD, {steps} steps")
-    print("device / overflow check; per column: held-out loss, log2(scale), s = step skipped\n")
-    print("step " + "".join(f"| {label:<24}" for label in results))
+    print(
+        "device / overflow check; per column: held-out loss, log2(scale), "
+        "s = step skipped\n"
+    )
+    # Two header lines: the device, then the check (the labels are "device, check").
+    devices = [label.split(", ")[0] for label in results]
+    checks = [label.split(", ")[1] + " check" for label in results]
+    print("step " + "".join(f"| {d:<17}" for d in devices).rstrip())
+    print("     " + "".join(f"| {c:<17}" for c in checks).rstrip())
     rows = sorted({*range(min(12, steps)), *range(0, steps, every), steps - 1})
     for i in rows:
         cells = []
         for r in results.values():
             mark = "s" if r["skipped"][i] else " "
-            cells.append(f"| {r['loss'][i]:9.4f} 2^{np.log2(r['scale'][i]):<4.0f} {mark}     ")
-        print(f"{i:4d} " + "".join(cells))
+            cells.append(
+                f"| {r['loss'][i]:7.4f} 2^{np.log2(r['scale'][i]):<3.0f} {mark}  "
+            )
+        print((f"{i:4d} " + "".join(cells)).rstrip())
     print()
     ref = results[RUNS[0][0]]
     for label, r in results.items():
@@ -144,8 +160,9 @@ def main(steps: int = STEPS, batch: int = BATCH, every: int = 10) -> dict[str, d
         )
         print(
             f"{label:<24} skipped {int(r['skipped'].sum()):3d}   final scale "
-            f"2^{np.log2(r['scale'][-1]):<3.0f} final loss {r['loss'][-1]:.4f}   {same}"
+            f"2^{np.log2(r['scale'][-1]):<3.0f} final loss {r['loss'][-1]:.4f}"
         )
+        print(f"{'':<24} {same}")
     print(f"\n({time.perf_counter() - start:.1f} s)")
     return results
 

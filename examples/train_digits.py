@@ -58,7 +58,9 @@ F16, F32 = jnp.float16, jnp.float32
 BATCH = 64
 LR = 2e-3
 STATIC_SCALE = 2.0**10
-DYNAMIC = dict(init_scale=2.0**15, growth_interval=100)  # short run: grow every 100 good steps
+DYNAMIC = dict(
+    init_scale=2.0**15, growth_interval=100
+)  # short run: grow every 100 good steps
 GUIDELINE = 0.005  # keep skipped steps under 0.5%
 
 
@@ -71,15 +73,18 @@ def load_data(seed: int = 0):
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[..., None]
     y = digits.target.astype(np.int32)
-    x_tr, x_va, y_tr, y_va = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+    x_tr, x_va, y_tr, y_va = train_test_split(
+        x, y, test_size=0.25, random_state=seed, stratify=y
+    )
     return jnp.asarray(x_tr), jnp.asarray(y_tr), jnp.asarray(x_va), jnp.asarray(y_va)
 
 
 class CNN(nn.Module):
-    """Conv-BN-ReLU blocks, pooling, a dense head; ``dtype`` computes, weights stay float32.
+    """Conv-BN-ReLU blocks, pooling, a dense head; ``dtype`` compute, float32 weights.
 
     Flax's own mixed precision: ``dtype`` is the compute dtype, ``param_dtype=float32``
-    keeps the master weights, so the gradients come back in float32, computed in ``dtype``.
+    keeps the master weights, so the gradients come back in float32, computed in
+    ``dtype``.
     """
 
     dtype: Any = F32
@@ -93,7 +98,9 @@ class CNN(nn.Module):
         for i in range(self.depth):
             # No bias before BatchNorm: its gradient is 0 in exact arithmetic, and its
             # rounding noise would count as "underflow" in the probe.
-            x = nn.Conv(self.width if i else self.width // 2, (3, 3), use_bias=False, **kw)(x)
+            x = nn.Conv(
+                self.width if i else self.width // 2, (3, 3), use_bias=False, **kw
+            )(x)
             x = nn.BatchNorm(use_running_average=not train, momentum=0.9, **kw)(x)
             x = nn.relu(x)
         x = nn.avg_pool(x, (2, 2), strides=(2, 2))
@@ -158,7 +165,9 @@ def grads_of(apply_fn, params, batch_stats, x, y, opt_state, weight):
 
 def lost_entries(g16, g32):
     """(#entries 0 in float16 but not in float32, #entries non-zero in float32)."""
-    pairs = zip(jax.tree_util.tree_leaves(g16), jax.tree_util.tree_leaves(g32), strict=True)
+    pairs = zip(
+        jax.tree_util.tree_leaves(g16), jax.tree_util.tree_leaves(g32), strict=True
+    )
     lost = sum(jnp.sum((a == 0) & (b != 0)) for a, b in pairs)
     nonzero = sum(jnp.sum(b != 0) for b in jax.tree_util.tree_leaves(g32))
     return jnp.asarray(lost, jnp.int32), jnp.asarray(nonzero, jnp.int32)
@@ -166,13 +175,15 @@ def lost_entries(g16, g32):
 
 @jax.jit
 def train_step(state, x, y, weight):
-    """One step; the state's tx and apply_fn are static, so one compilation per configuration."""
+    """One step; the state's tx and apply_fn are static: one compilation per config."""
     grads, stats, loss = grads_of(
         state.apply_fn, state.params, state.batch_stats, x, y, state.opt_state, weight
     )
     scale = lsj.get_loss_scale_state(state.opt_state).scale  # the scale this step used
     state = state.apply_gradients(grads=grads, batch_stats=stats)
-    return state, dict(loss=loss, scale=scale, skipped=lsj.metrics(state.opt_state)["skipped"])
+    return state, dict(
+        loss=loss, scale=scale, skipped=lsj.metrics(state.opt_state)["skipped"]
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -183,7 +194,9 @@ def probe_underflow(apply16, apply32, params, batch_stats, x, y, loss_scale, wei
     float16 one of the loss scaled by ``loss_scale`` and the float32 one.
     """
     g16, _, _ = grads_of(apply16, params, batch_stats, x, y, loss_scale, weight)
-    g32, _, _ = grads_of(apply32, params, batch_stats, x, y, lsj.NoScale().init(), weight)
+    g32, _, _ = grads_of(
+        apply32, params, batch_stats, x, y, lsj.NoScale().init(), weight
+    )
     return lost_entries(g16, g32)
 
 
@@ -198,7 +211,9 @@ def batch_indices(seed: int, steps: int, n: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     per_epoch = n // BATCH
     epochs = -(-steps // per_epoch)
-    idx = np.concatenate([rng.permutation(n)[: per_epoch * BATCH] for _ in range(epochs)])
+    idx = np.concatenate(
+        [rng.permutation(n)[: per_epoch * BATCH] for _ in range(epochs)]
+    )
     return idx.reshape(-1, BATCH)[:steps].astype(np.int32)
 
 
@@ -208,7 +223,7 @@ def batch_indices(seed: int, steps: int, n: int) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _lost_at(depth, params, batch_stats, x, y, factor):
-    """Entries lost by float16 (and non-zero in float32) for the loss ``mean_loss * factor``."""
+    """Entries float16 loses (non-zero in float32) for the mean loss x ``factor``."""
 
     def grads(dtype):
         def loss_fn(p):
@@ -223,7 +238,7 @@ def _lost_at(depth, params, batch_stats, x, y, factor):
 
 
 def where_it_underflows(params, batch_stats, x, y, seed=0, deep=6):
-    """Fraction of gradient entries unscaled float16 loses, in settings that shrink them.
+    """Fraction of gradient entries unscaled float16 loses, in settings that shrink it.
 
     The trained float32 weights are fixed, only the loss changes: a summed loss is the
     mean times the batch size; a loss scale below 1 (a too-small initial scale) shrinks
@@ -233,8 +248,8 @@ def where_it_underflows(params, batch_stats, x, y, seed=0, deep=6):
     settings = {
         "mean loss (the default setting)": 1.0,
         f"summed loss (mean x {n})": float(n),
-        "mean loss x 2**-4 (a loss scale of 1/16)": 2.0**-4,
-        "mean loss x 2**-8 (a loss scale of 1/256)": 2.0**-8,
+        "mean loss x 2^-4 (a loss scale of 1/16)": 2.0**-4,
+        "mean loss x 2^-8 (a loss scale of 1/256)": 2.0**-8,
     }
     rows = {}
     for name, factor in settings.items():
@@ -244,7 +259,9 @@ def where_it_underflows(params, batch_stats, x, y, seed=0, deep=6):
     lost, nonzero = _lost_at(
         deep, variables["params"], variables["batch_stats"], x, y, jnp.float32(1.0)
     )
-    rows[f"deeper net ({deep} conv blocks, at init), mean loss"] = int(lost) / max(int(nonzero), 1)
+    rows[f"deeper net ({deep} conv blocks, at init), mean loss"] = int(lost) / max(
+        int(nonzero), 1
+    )
     return rows
 
 
@@ -252,8 +269,14 @@ def where_it_underflows(params, batch_stats, x, y, seed=0, deep=6):
 # The job.
 
 
-def run(steps: int, seeds: int, probe_every: int, loss_weight: float = 1.0, progress: bool = True):
-    """Trains every configuration for every seed; returns per-run histories and accuracies."""
+def run(
+    steps: int,
+    seeds: int,
+    probe_every: int,
+    loss_weight: float = 1.0,
+    progress: bool = True,
+):
+    """Trains every configuration for every seed; returns histories and accuracies."""
     from tqdm.auto import tqdm
 
     x_tr, y_tr, x_va, y_va = load_data()
@@ -268,7 +291,10 @@ def run(steps: int, seeds: int, probe_every: int, loss_weight: float = 1.0, prog
     )
     trained_fp32 = None
     for name, (dtype, policy) in CONFIGS.items():
-        apply_fn, tx = APPLY[dtype], make_tx(policy)  # one compilation per configuration
+        apply_fn, tx = (
+            APPLY[dtype],
+            make_tx(policy),
+        )  # one compilation per configuration
         results[name] = []
         for seed in range(seeds):
             bar.set_description(f"{name}, seed {seed}")
@@ -299,8 +325,12 @@ def run(steps: int, seeds: int, probe_every: int, loss_weight: float = 1.0, prog
                     history={k: np.array([h[k] for h in hist]) for k in hist[0]},
                     lost=int(np.sum(jax.device_get(lost))),
                     nonzero=int(np.sum(jax.device_get(nonzero))),
-                    accuracy=float(accuracy(apply_fn, state.params, state.batch_stats, x_va, y_va)),
-                    metrics={k: float(v) for k, v in lsj.metrics(state.opt_state).items()},
+                    accuracy=float(
+                        accuracy(apply_fn, state.params, state.batch_stats, x_va, y_va)
+                    ),
+                    metrics={
+                        k: float(v) for k, v in lsj.metrics(state.opt_state).items()
+                    },
                     step=int(state.step),
                 )
             )
@@ -324,8 +354,12 @@ def summarize(results) -> dict[str, dict[str, float]]:
             underflow_lost=lost / max(nonzero, 1),
             skipped_rate=skipped / max(total, 1),
             final_scale=float(np.mean([r["metrics"]["loss_scale"] for r in runs])),
-            final_loss=float(np.mean([r["history"]["loss"][-20:].mean() for r in runs])),
-            nan_loss=bool(any(not np.isfinite(r["history"]["loss"]).all() for r in runs)),
+            final_loss=float(
+                np.mean([r["history"]["loss"][-20:].mean() for r in runs])
+            ),
+            nan_loss=bool(
+                any(not np.isfinite(r["history"]["loss"]).all() for r in runs)
+            ),
         )
     return rows
 
@@ -333,27 +367,30 @@ def summarize(results) -> dict[str, dict[str, float]]:
 def format_table(rows, steps, seeds, loss_weight=1.0) -> str:
     plural = "s" if seeds != 1 else ""
     head = (
-        f"| configuration | val. accuracy (mean ± std, {seeds} seed{plural}) | gradient entries "
-        "lost to underflow | skipped steps (guideline < 0.5%) | final scale |"
+        f"| configuration | val. accuracy (mean ± std, {seeds} seed{plural}) "
+        "| gradient entries lost to underflow | skipped steps (guideline < 0.5%) "
+        "| final scale |"
     )
     lines = [head, "|---|---|---|---|---|"]
     for name, r in rows.items():
         lost = "reference" if name == "fp32" else f"{100 * r['underflow_lost']:.3f}%"
         flag = "ok" if r["skipped_rate"] <= GUIDELINE else "over"
         lines.append(
-            f"| {name} | {100 * r['acc_mean']:.2f}% ± {100 * r['acc_std']:.2f} | {lost} | "
-            f"{100 * r['skipped_rate']:.2f}% ({flag}) | {r['final_scale']:.10g} |"
+            f"| {name} | {100 * r['acc_mean']:.2f}% ± {100 * r['acc_std']:.2f} "
+            f"| {lost} | {100 * r['skipped_rate']:.2f}% ({flag}) "
+            f"| {r['final_scale']:.10g} |"
         )
     weight = "" if loss_weight == 1.0 else f" x {loss_weight:g}"
     lines.append(
         f"\n{steps} steps of Adam({LR:g}), batch {BATCH}, mean cross-entropy{weight}; "
-        f"DynamicScale(init_scale=2**15, growth_interval={DYNAMIC['growth_interval']})."
+        "`DynamicScale(init_scale=2**15, "
+        f"growth_interval={DYNAMIC['growth_interval']})`."
     )
     return "\n".join(lines)
 
 
 def plot(results, path: pathlib.Path, title: str) -> None:
-    """One column per configuration: training loss (top) and loss scale (bottom) per step."""
+    """One column per configuration: training loss (top) and loss scale (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,7 +398,12 @@ def plot(results, path: pathlib.Path, title: str) -> None:
 
     names = list(results)
     fig, axes = plt.subplots(
-        2, len(names), figsize=(3.6 * len(names), 6.2), sharex=True, sharey="row", squeeze=False
+        2,
+        len(names),
+        figsize=(3.6 * len(names), 6.2),
+        sharex=True,
+        sharey="row",
+        squeeze=False,
     )
     ref = np.mean([r["history"]["loss"] for r in results[names[0]]], axis=0)
     for col, name in enumerate(names):
@@ -373,7 +415,9 @@ def plot(results, path: pathlib.Path, title: str) -> None:
             ax_loss.plot(_smooth(h["loss"]), lw=1, label=f"seed {i}")
             (line,) = ax_scale.plot(h["scale"], lw=1.5, label=f"seed {i}")
             skipped = np.flatnonzero(h["skipped"])
-            ax_scale.plot(skipped, h["scale"][skipped], "x", color=line.get_color(), ms=6)
+            ax_scale.plot(
+                skipped, h["scale"][skipped], "x", color=line.get_color(), ms=6
+            )
         ax_loss.set_title(name)
         ax_loss.set_yscale("log")
         ax_scale.set_yscale("log", base=2)
@@ -398,8 +442,12 @@ def _smooth(x, k=10):
 
 def parse_args(argv: Sequence[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 600)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default 3)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps per run (default 600)"
+    )
+    p.add_argument(
+        "--seeds", type=int, default=None, help="seeds per configuration (default 3)"
+    )
     p.add_argument(
         "--out",
         type=pathlib.Path,
@@ -420,7 +468,9 @@ def parse_args(argv: Sequence[str] | None):
         "0.00390625 shrinks every gradient as a 256x larger batch's mean would",
     )
     p.add_argument(
-        "--quick", action="store_true", help="a short run for the test suite (100 steps, 2 seeds)"
+        "--quick",
+        action="store_true",
+        help="a short run for the test suite (100 steps, 2 seeds)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -443,7 +493,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t0 = time.perf_counter()
     results, fp32_state, (x_tr, y_tr) = run(
-        args.steps, args.seeds, args.probe_every, args.loss_weight, progress=not args.no_progress
+        args.steps,
+        args.seeds,
+        args.probe_every,
+        args.loss_weight,
+        progress=not args.no_progress,
     )
     rows = summarize(results)
     table = format_table(rows, args.steps, args.seeds, args.loss_weight)
@@ -452,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     where = where_it_underflows(fp32_state.params, fp32_state.batch_stats, x, y)
     where_table = "\n".join(
         [
-            "| setting (trained fp32 weights, 256 samples) | gradient entries fp16 loses |",
+            "| setting (trained fp32 weights, 256 samples) "
+            "| gradient entries fp16 loses |",
             "|---|---|",
         ]
         + [f"| {k} | {100 * v:.3f}% |" for k, v in where.items()]
@@ -463,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plot(
         results,
         args.out / "digits_plot.png",
-        f"digits CNN, {args.steps} steps{weight}: float32 vs float16 with and without loss scaling",
+        f"digits CNN, {args.steps} steps{weight}: "
+        "float32 vs float16 with and without loss scaling",
     )
     (args.out / "digits_table.md").write_text(
         f"{table}\n\nWhere unscaled float16 underflows:\n\n{where_table}\n"

@@ -1,4 +1,4 @@
-"""The main job: a small GPT on real text, float32 vs float16 with and without loss scaling.
+"""The main job: a small GPT on real text, float32 vs float16, with and without scaling.
 
 A nanoGPT-style character-level language model (d_model 64, 2 layers, 4 heads,
 context 64, GELU MLP, tied embeddings, GPT-2 initialisation) learns the Python
@@ -95,10 +95,14 @@ STEPS = 250  # optimizer steps per run (the default)
 TRAIN_LOSS_LAST = 25  # the table's train loss is the mean of the last 25 steps
 GUIDELINE = 0.005  # keep skipped steps under 0.5%
 VAL_WINDOWS = 256  # validation: 256 windows of 64 predictions (16,384 tokens)
-PROMPT, SAMPLE_LENGTH, TEMPERATURE = "The ", 240, 0.5  # generated text, per configuration
-# The diagnosis before training: micro-batches, and the loss scales tried (2^0 .. 2^30: the
-# static 2^10, the dynamic 2^19 and the ceiling near 2^27 are inside). --quick: 1 batch,
-# every other power of two.
+PROMPT, SAMPLE_LENGTH, TEMPERATURE = (
+    "The ",
+    240,
+    0.5,
+)  # generated text, per configuration
+# The diagnosis before training: micro-batches, and the loss scales tried (2^0 .. 2^30:
+# the static 2^10, the dynamic 2^19 and the ceiling near 2^27 are inside). --quick: 1
+# batch, every other power of two.
 DIAGNOSIS_BATCHES = 4
 DIAGNOSIS_SCALES = 2.0 ** np.arange(0, 31)
 
@@ -121,7 +125,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "update_2^19",
         TOKENS / UPDATE_TOKENS,
-        f"one {TOKENS:,}-token micro-batch of a 2**19-token update per step: "
+        f"one {TOKENS:,}-token micro-batch of a 2^19-token update per step: "
         f"loss = micro-batch mean / {UPDATE_TOKENS // TOKENS}, no accumulation",
     ),
 )
@@ -129,7 +133,7 @@ SETTINGS: tuple[Setting, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A configuration: a compute dtype and a loss-scale policy (an optimizer is made per run)."""
+    """A configuration: a compute dtype and a loss-scale policy (optimizer: per run)."""
 
     name: str
     dtype: Any
@@ -139,20 +143,21 @@ class Config:
 STATIC_SCALE = 2.0**10
 # Dynamic: chosen so that, in the 250-step run, the scale climbs to its ceiling in
 # update_2^19 (there 2**28 overflows on about every other batch, 2**27 on about one in
-# seventy) and backs off once: 2**19 grown x2 every 25 good steps reaches 2**27 at step 200
-# and 2**28 at step 225. A backoff by 4 (not 2) drops it below the ceiling's
+# seventy) and backs off once: 2**19 grown x2 every 25 good steps reaches 2**27 at step
+# 200 and 2**28 at step 225. A backoff by 4 (not 2) drops it below the ceiling's
 # batch-to-batch spread, and two growths (50 steps) would be needed to come back, so the
-# run ends before a second overflow. No cap: the default max_scale, 2**24, would hold the
-# scale below the ceiling and no backoff would happen.
+# run ends before a second overflow. No cap: the default max_scale, 2**24, would hold
+# the scale below the ceiling and no backoff would happen.
 DYNAMIC = lsj.DynamicScale(
     init_scale=2.0**19, growth_interval=25, backoff_factor=0.25, max_scale=math.inf
 )
 
-# Headroom: the policy's defaults (init_scale 2**15, one octave of margin, a held peak that
-# falls an octave per 100 steps), uncapped like the dynamic scale. Its first good step jumps to
-# the measured target (2**15-2**16 in mean, 2**24-2**25 in update_2^19), so init_scale matters
-# for one step only: 2**19 would overflow the first step of every mean row (blind, nothing
-# measured yet) and cost one skipped step each, the same as the dynamic scale's first step.
+# Headroom: the policy's defaults (init_scale 2**15, one octave of margin, a held peak
+# that falls an octave per 100 steps), uncapped like the dynamic scale. Its first good
+# step jumps to the measured target (2**15-2**16 in mean, 2**24-2**25 in update_2^19),
+# so init_scale matters for one step only: 2**19 would overflow the first step of every
+# mean row (blind, nothing measured yet) and cost one skipped step each, the same as the
+# dynamic scale's first step.
 HEADROOM = lsj.HeadroomScale(max_scale=math.inf)
 
 CONFIGS: tuple[Config, ...] = (
@@ -202,7 +207,7 @@ def load_corpus() -> Corpus:
 
 
 def batch_offsets(seed: int, steps: int, n: int) -> np.ndarray:
-    """(steps, BATCH) start offsets of the training windows; the same for every config."""
+    """(steps, BATCH) start offsets of the training windows, alike for every config."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, n - CONTEXT - 1, (steps, BATCH), dtype=np.int32)
 
@@ -217,7 +222,9 @@ def windows(tokens: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array
 # Model.
 
 _INIT = nn.initializers.normal(0.02)  # GPT-2
-_PROJ_INIT = nn.initializers.normal(0.02 / math.sqrt(2 * N_LAYER))  # residual projections
+_PROJ_INIT = nn.initializers.normal(
+    0.02 / math.sqrt(2 * N_LAYER)
+)  # residual projections
 
 
 class Block(nn.Module):
@@ -236,7 +243,9 @@ class Block(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q * (hd**-0.5), k).astype(F32)
         causal = jnp.tril(jnp.ones((t, t), bool))
-        att = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(x.dtype)
+        att = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(
+            x.dtype
+        )
         y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
         x = x + nn.Dense(d, kernel_init=_PROJ_INIT)(y)
         h = nn.LayerNorm(epsilon=1e-5)(x)
@@ -306,7 +315,7 @@ def cast(tree: Any, dtype: Any) -> Any:
 
 @functools.cache
 def make_tx(config: Config, steps: int) -> optax.GradientTransformationExtraArgs:
-    """AdamW with warm-up and cosine decay, inside ``loss_scaling`` with the config's policy.
+    """AdamW, warm-up, cosine decay, inside ``loss_scaling`` with the config's policy.
 
     Cached: the same object for the same arguments, so the jitted step, whose train
     state holds ``tx`` as a static field, compiles once per configuration.
@@ -318,7 +327,10 @@ def make_tx(config: Config, steps: int) -> optax.GradientTransformationExtraArgs
         decay_steps=max(steps, WARMUP + 1),
         end_value=LR_END,
     )
-    decay_matrices = lambda p: jax.tree_util.tree_map(lambda a: a.ndim >= 2, p)  # noqa: E731
+
+    def decay_matrices(p):
+        return jax.tree_util.tree_map(lambda a: a.ndim >= 2, p)
+
     inner = optax.adamw(schedule, b2=B2, weight_decay=WEIGHT_DECAY, mask=decay_matrices)
     return lsj.loss_scaling(inner, config.policy)
 
@@ -348,7 +360,7 @@ def gradients(loss_fn, dtype, params, tokens, offsets, weight, loss_scale):
 
 @jax.jit
 def apply_gradients(state: lsj.TrainState, grads: Any):
-    """One optimizer step: ``(state, the scale this step used, whether it was skipped)``."""
+    """One optimizer step: ``(state, the scale it used, whether it was skipped)``."""
     scale = lsj.get_loss_scale_state(state.opt_state).scale
     state = state.apply_gradients(grads=grads)
     return state, scale, lsj.get_loss_scale_state(state.opt_state).last_skipped
@@ -356,10 +368,14 @@ def apply_gradients(state: lsj.TrainState, grads: Any):
 
 @jax.jit
 def lost_entries(g16: Any, g32: Any) -> tuple[jax.Array, jax.Array]:
-    """(#entries zero in ``g16`` but non-zero in ``g32``, #entries non-zero in ``g32``)."""
-    pairs = zip(jax.tree_util.tree_leaves(g16), jax.tree_util.tree_leaves(g32), strict=True)
+    """(#entries zero in ``g16`` but not in ``g32``, #entries non-zero in ``g32``)."""
+    pairs = zip(
+        jax.tree_util.tree_leaves(g16), jax.tree_util.tree_leaves(g32), strict=True
+    )
     lost = sum(jnp.sum((a == 0) & (b != 0), dtype=jnp.int32) for a, b in pairs)
-    nonzero = sum(jnp.sum(b != 0, dtype=jnp.int32) for b in jax.tree_util.tree_leaves(g32))
+    nonzero = sum(
+        jnp.sum(b != 0, dtype=jnp.int32) for b in jax.tree_util.tree_leaves(g32)
+    )
     return lost, nonzero
 
 
@@ -371,7 +387,7 @@ def evaluate(loss_fn, params, val_inputs, val_targets):
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def generate(params, prompt, key, length, vocab_size):
-    """``length`` characters sampled after ``prompt`` at ``TEMPERATURE`` (float32 weights)."""
+    """``length`` characters sampled after ``prompt`` at ``TEMPERATURE`` (float32)."""
     model = GPT(vocab_size)
     n = prompt.shape[0]
     buf = jnp.zeros((n + length,), jnp.int32).at[:n].set(prompt)
@@ -394,9 +410,10 @@ def generate(params, prompt, key, length, vocab_size):
 
 
 def compile_in_parallel(lowered: Sequence[Any], workers: int = 2) -> None:
-    """Compiles lowered jitted calls on ``workers`` threads (XLA compiles one on one core).
+    """Compiles lowered jitted calls on ``workers`` threads (XLA: one core per call).
 
-    A compiled call lands in its jitted function's cache, so the calls that follow run it.
+    A compiled call lands in its jitted function's cache, so the calls that follow run
+    it.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -404,8 +421,10 @@ def compile_in_parallel(lowered: Sequence[Any], workers: int = 2) -> None:
         list(pool.map(lambda low: low.compile(), lowered))
 
 
-def run(steps: int, seeds: int, probe_every: int, progress: bool = True) -> dict[str, Any]:
-    """Trains every configuration on every (setting, seed) row; returns per-row results."""
+def run(
+    steps: int, seeds: int, probe_every: int, progress: bool = True
+) -> dict[str, Any]:
+    """Trains every configuration on every (setting, seed) row; returns the rows."""
     from tqdm.auto import tqdm
 
     corpus = load_corpus()
@@ -421,7 +440,9 @@ def run(steps: int, seeds: int, probe_every: int, progress: bool = True) -> dict
     rows = [(setting, seed) for setting in SETTINGS for seed in range(seeds)]
     weights = [jnp.float32(setting.loss_weight) for setting, _ in rows]
     params = {seed: init_params(vocab, jnp.int32(seed)) for seed in range(seeds)}
-    offsets = {seed: batch_offsets(seed, steps, len(corpus.train)) for seed in range(seeds)}
+    offsets = {
+        seed: batch_offsets(seed, steps, len(corpus.train)) for seed in range(seeds)
+    }
     loss_fn = loss_function(vocab)
 
     def new_state(config, seed):
@@ -433,7 +454,11 @@ def run(steps: int, seeds: int, probe_every: int, progress: bool = True) -> dict
     dtypes = list(dict.fromkeys(c.dtype for c in CONFIGS))
     compile_in_parallel(
         [gradients.lower(loss_fn, F32, p0, tokens, offs0, w0, unscaled)]
-        + [gradients.lower(loss_fn, d, p0, tokens, offs0, w0, unscaled) for d in dtypes if d != F32]
+        + [
+            gradients.lower(loss_fn, d, p0, tokens, offs0, w0, unscaled)
+            for d in dtypes
+            if d != F32
+        ]
         + [apply_gradients.lower(new_state(c, 0), cast(p0, c.dtype)) for c in CONFIGS]
         + [lost_entries.lower(cast(p0, d), p0) for d in dtypes if d != F32]
         + [
@@ -454,7 +479,8 @@ def run(steps: int, seeds: int, probe_every: int, progress: bool = True) -> dict
         bar.set_description(config.name)
         states = [new_state(config, seed) for _, seed in rows]
         hist: list[dict[str, list]] = [
-            {k: [] for k in ("loss", "scale", "skipped", "lost", "nonzero")} for _ in rows
+            {k: [] for k in ("loss", "scale", "skipped", "lost", "nonzero")}
+            for _ in rows
         ]
         for t in range(steps):
             for i, (_, seed) in enumerate(rows):
@@ -475,12 +501,18 @@ def run(steps: int, seeds: int, probe_every: int, progress: bool = True) -> dict
                 jax.block_until_ready(states)
                 bar.update(len(rows) * ((t % probe_every) + 1))
         results[config.name] = dict(
-            history=[{k: np.asarray(jax.device_get(v)) for k, v in h.items()} for h in hist],
+            history=[
+                {k: np.asarray(jax.device_get(v)) for k, v in h.items()} for h in hist
+            ],
             metrics=[jax.device_get(lsj.metrics(s.opt_state)) for s in states],
             step=[int(s.step) for s in states],
-            val_loss=[float(evaluate(loss_fn, s.params, val_inputs, val_targets)) for s in states],
+            val_loss=[
+                float(evaluate(loss_fn, s.params, val_inputs, val_targets))
+                for s in states
+            ],
             samples=[  # seed 0 of each setting
-                PROMPT + corpus.decode(generate(s.params, prompt, key, SAMPLE_LENGTH, vocab))
+                PROMPT
+                + corpus.decode(generate(s.params, prompt, key, SAMPLE_LENGTH, vocab))
                 if seed == 0
                 else None
                 for s, (_, seed) in zip(states, rows, strict=True)
@@ -494,8 +526,8 @@ def diagnose_model(quick: bool = False) -> lsj.Diagnosis:
     """``lsj.diagnose`` of the model in the ``update_2^19`` setting, before training.
 
     Seed 0's initial float32 weights, the first micro-batches seed 0 trains on, float16
-    compute as in the training step (the weights cast to float16, the loss weight applied
-    to the float32 loss); the float32 reference is the same program in float32.
+    compute as in the training step (the weights cast to float16, the loss weight
+    applied to the float32 loss); the float32 reference is the same program in float32.
     """
     corpus = load_corpus()
     tokens = jnp.asarray(corpus.train)
@@ -511,7 +543,12 @@ def diagnose_model(quick: bool = False) -> lsj.Diagnosis:
     params = init_params(corpus.vocab_size, jnp.int32(0))
     scales = DIAGNOSIS_SCALES[::2] if quick else DIAGNOSIS_SCALES
     return lsj.diagnose(
-        loss_fn, params, batches, scale=DYNAMIC.init_scale, scales=scales, print_table=False
+        loss_fn,
+        params,
+        batches,
+        scale=DYNAMIC.init_scale,
+        scales=scales,
+        print_table=False,
     )
 
 
@@ -530,7 +567,9 @@ def result_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
                     seed=seed,
                     train_loss=float(h["loss"][-TRAIN_LOSS_LAST:].mean()),
                     val_loss=r["val_loss"][i],
-                    lost_fraction=None if config.dtype == F32 else lost / max(nonzero, 1),
+                    lost_fraction=None
+                    if config.dtype == F32
+                    else lost / max(nonzero, 1),
                     skipped_fraction=int(m["skipped_steps"]) / int(m["total_steps"]),
                     final_scale=float(m["loss_scale"]),
                 )
@@ -556,7 +595,9 @@ def _scales(values: Sequence[float]) -> str:
     return ", ".join(f"{v:g}" for v in values)
 
 
-def format_table(rows: list[dict[str, Any]], steps: int, seeds: int, probe_every: int) -> str:
+def format_table(
+    rows: list[dict[str, Any]], steps: int, seeds: int, probe_every: int
+) -> str:
     """Mean ± std over seeds per (setting, configuration), then what the names mean."""
     lines = [
         f"| setting | config | train loss (last {TRAIN_LOSS_LAST} steps) | val loss | "
@@ -582,23 +623,26 @@ def format_table(rows: list[dict[str, Any]], steps: int, seeds: int, probe_every
             lines.append(
                 f"| {setting.name} | {config.name} "
                 f"| {_mean_std([r['train_loss'] for r in rs])} | {_mean_std(val)} "
-                f"| {_mean_std(delta, sign='+')} | {_mean_std(np.exp(val), '.2f')} | {lost} "
+                f"| {_mean_std(delta, sign='+')} | {_mean_std(np.exp(val), '.2f')} "
+                f"| {lost} "
                 f"| {100 * rate:.2f}% ({skipped} of {steps * len(rs)}, {flag}) "
                 f"| {_scales([r['final_scale'] for r in rs])} |"
             )
     plural = "s" if seeds != 1 else ""
     lines += [
         "",
-        f"{steps} steps of AdamW (lr {LR:g}, {WARMUP} warm-up steps, cosine to {LR_END:g}), "
-        f"{TOKENS:,} tokens per step, {seeds} seed{plural}: mean ± std over seeds. Val loss: "
-        "float32 weights in float32 on "
-        f"{VAL_WINDOWS * CONTEXT:,} validation tokens. Entries lost: non-zero in a float32 "
-        "gradient, zero in the config's float16 one (same weights and batch), counted every "
-        f"{probe_every} steps.",
+        f"{steps} steps of AdamW (lr {LR:g}, {WARMUP} warm-up steps, "
+        f"cosine to {LR_END:g}), {TOKENS:,} tokens per step, {seeds} seed{plural}: "
+        "mean ± std over seeds. Val loss: float32 weights in float32 on "
+        f"{VAL_WINDOWS * CONTEXT:,} validation tokens. Entries lost: non-zero in a "
+        "float32 gradient, zero in the config's float16 one (same weights and batch), "
+        f"counted every {probe_every} steps.",
         "",
     ]
     lines += [f"- {s.name}: {s.description}" for s in SETTINGS]
-    lines += [f"- {c.name}: {jnp.dtype(c.dtype).name} compute, {c.policy}" for c in CONFIGS]
+    lines += [
+        f"- {c.name}: {jnp.dtype(c.dtype).name} compute, {c.policy}" for c in CONFIGS
+    ]
     return "\n".join(lines)
 
 
@@ -610,8 +654,8 @@ def _smooth(x: np.ndarray, k: int = 10) -> np.ndarray:
 
 
 def plot(job: dict[str, Any], path: pathlib.Path) -> None:
-    """One column per float16 configuration: the loss in each setting (float32's seeds in
-    grey behind), then the loss scale of every row with its skipped steps marked."""
+    """One column per float16 configuration: the loss in each setting (float32's seeds
+    in grey behind), then the loss scale of every row with its skipped steps marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -660,7 +704,11 @@ def plot(job: dict[str, Any], path: pathlib.Path) -> None:
             style = "-" if setting is SETTINGS[-1] else ":"
             color = colors[seed % len(colors)]
             ax.plot(
-                hist[i]["scale"], style, color=color, lw=1.5, label=f"{setting.name}, seed {seed}"
+                hist[i]["scale"],
+                style,
+                color=color,
+                lw=1.5,
+                label=f"{setting.name}, seed {seed}",
             )
             skipped = np.flatnonzero(hist[i]["skipped"])
             ax.plot(skipped, hist[i]["scale"][skipped], "x", color=color, ms=7, mew=2)
@@ -683,7 +731,9 @@ def format_samples(job: dict[str, Any]) -> str:
     """Seed 0's generated text for every setting and configuration."""
     parts = []
     for setting in SETTINGS:
-        i = next(i for i, (s, seed) in enumerate(job["rows"]) if s == setting and seed == 0)
+        i = next(
+            i for i, (s, seed) in enumerate(job["rows"]) if s == setting and seed == 0
+        )
         for config in CONFIGS:
             text = job["results"][config.name]["samples"][i]
             parts.append(f"--- {setting.name}, {config.name} (seed 0) ---\n{text}\n")
@@ -692,7 +742,9 @@ def format_samples(job: dict[str, Any]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {STEPS})")
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"optimizer steps (default {STEPS})"
+    )
     p.add_argument("--seeds", type=int, default=None, help="seeds (default 3)")
     p.add_argument(
         "--probe-every",
@@ -707,7 +759,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="output folder (default out/)",
     )
     p.add_argument(
-        "--quick", action="store_true", help="a short run for the test suite (25 steps, 2 seeds)"
+        "--quick",
+        action="store_true",
+        help="a short run for the test suite (25 steps, 2 seeds)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -717,7 +771,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.seeds = 2 if args.quick else 3
     for name in ("steps", "seeds", "probe_every"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            p.error(
+                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+            )
     if args.steps < TRAIN_LOSS_LAST:
         p.error(
             f"--steps must be >= {TRAIN_LOSS_LAST} (the train loss averages the last "
@@ -732,8 +788,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     diagnosis = diagnose_model(args.quick)
     print(
-        "What float16 does to this model's gradients in the update_2^19 setting, before "
-        "training (lsj.diagnose):\n"
+        "What float16 does to this model's gradients in the update_2^19 setting, "
+        "before training (lsj.diagnose):\n"
     )
     print(diagnosis.table() + "\n", flush=True)
     (args.out / "gpt_diagnosis.txt").write_text(diagnosis.table() + "\n")
@@ -757,7 +813,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"({cpu:.0f} s of CPU time)"
     )
     return dict(
-        job=job, rows=rows, table=table, diagnosis=diagnosis, out=args.out, wall_s=wall, cpu_s=cpu
+        job=job,
+        rows=rows,
+        table=table,
+        diagnosis=diagnosis,
+        out=args.out,
+        wall_s=wall,
+        cpu_s=cpu,
     )
 
 

@@ -1,4 +1,8 @@
-"""Every ```python block of README.md and docs/*.md runs, in order, one namespace per file."""
+"""Every ```python block of README.md and docs/*.md runs, in order, one namespace per file.
+
+A ```diff block shows a program before and after a change (lines starting ``-`` are only in
+the first, ``+`` only in the second, `` `` in both): both programs run, each on its own.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+DIFF = re.compile(r"^```diff\n(.*?)^```", re.S | re.M)
 
 
 def python_blocks(path: pathlib.Path) -> list[str]:
@@ -28,3 +33,33 @@ def test_code_blocks_run(page):
             exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)
         except Exception as e:  # pragma: no cover - the message is the point
             raise AssertionError(f"{page.name} block {i} failed: {e!r}\n{block}") from e
+
+
+def diff_programs(diff: str) -> tuple[str, str]:
+    """The program before and after the change a ```diff block shows."""
+    lines = diff.splitlines()
+    bad = [line for line in lines if line and line[0] not in " +-"]
+    assert not bad, f"diff lines must start with ' ', '+' or '-': {bad}"
+    before = [line[1:] for line in lines if not line.startswith("+")]
+    after = [line[1:] for line in lines if not line.startswith("-")]
+    return "\n".join(before) + "\n", "\n".join(after) + "\n"
+
+
+DIFFS = [(page, i) for page in PAGES for i, _ in enumerate(DIFF.findall(page.read_text()))]
+
+
+def test_diff_programs_splits_the_two_sides():
+    before, after = diff_programs(" a = 1\n-b = 2\n+b = 3\n+c = 4\n")
+    assert (before, after) == ("a = 1\nb = 2\n", "a = 1\nb = 3\nc = 4\n")
+    assert len(DIFFS) >= 3  # getting_started.md: Optax, Flax TrainState, NNX
+
+
+@pytest.mark.parametrize("page,index", DIFFS, ids=lambda x: getattr(x, "name", str(x)))
+def test_diff_blocks_run_before_and_after(page, index):
+    diff = DIFF.findall(page.read_text())[index]
+    for side, program in zip(("before", "after"), diff_programs(diff), strict=True):
+        name = f"{page.name}[diff {index}, {side}]"
+        try:
+            exec(compile(program, name, "exec"), {"__name__": f"docs_{page.stem}_diff"})
+        except Exception as e:  # pragma: no cover - the message is the point
+            raise AssertionError(f"{name} failed: {e!r}\n{program}") from e

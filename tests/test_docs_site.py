@@ -99,10 +99,119 @@ def test_readme_is_the_index_with_its_links_rewritten(site):
     hrefs = parse(site / "index.html").hrefs
     # README.md links docs/core.md and benchmarks/README.md, as the repository shows them.
     assert "core.html" in hrefs and "benchmarks.html" in hrefs
+    assert {"getting_started.html", "examples.html", "faq.html", "changelog.html"} <= set(hrefs)
     assert not [h for h in hrefs if h.startswith("docs/") or h.endswith(".md")]
-    # The porting guide links its tests: the site carries a copy of the file.
-    porting = parse(site / "porting.html").hrefs
-    assert any(h.endswith("/test_compat.py") for h in porting)
+    # A repository file that is no page (the licence) is a copy the site carries.
+    assert any(h.startswith("_downloads/") and h.endswith("/LICENSE") for h in hrefs)
+    # Test names are not links: a link would download a whole test file.
+    for page in site.rglob("*.html"):
+        assert not [h for h in parse(page).hrefs if "/test_" in h and h.endswith(".py")], page
+
+
+class Titles(html.parser.HTMLParser):
+    """The <title> of a page and the captions of its navigation, with the links under each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.title = ""
+        self.captions: dict[str, list[str]] = {}
+        self._in: str | None = None
+        self._caption: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "title" and not self.title:
+            self._in = "title"
+        elif tag == "span" and found.get("class") == "caption-text":
+            self._in = "caption"
+        elif tag == "a" and self._caption and "reference internal" in (found.get("class") or ""):
+            self.captions[self._caption].append(found.get("href") or "")
+
+    def handle_data(self, data: str) -> None:
+        if self._in == "title":
+            self.title += data
+        elif self._in == "caption":
+            self._caption = data.strip()
+            self.captions[self._caption] = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("title", "span"):
+            self._in = None
+        if tag == "div" and self._caption:  # the sidebar's tree ends with its <div>
+            self._caption = None
+
+
+def titles(path: pathlib.Path) -> Titles:
+    parser = Titles()
+    parser.feed(path.read_text())
+    return parser
+
+
+def test_every_page_has_a_title_of_its_own(site):
+    found: dict[str, list[str]] = {}
+    for page in site.rglob("*.html"):
+        if page.name not in ("genindex.html", "search.html", "py-modindex.html"):
+            found.setdefault(titles(page).title, []).append(str(page.relative_to(site)))
+    assert len(found) > 20
+    assert not {t: pages for t, pages in found.items() if len(pages) > 1}
+
+
+def test_navigation_is_grouped(site):
+    captions = titles(site / "index.html").captions
+    assert list(captions) == ["Getting started", "Guides", "Background", "Reference"]
+    first = ["getting_started.html", "examples.html", "faq.html"]
+    assert [h for h in captions["Getting started"] if h in first] == first
+    assert "examples/train_gpt.html" in captions["Getting started"]  # each example's page
+    assert "performance.html" in captions["Background"]
+    assert {"api/lossscale_jax.html", "changelog.html", "contributing.html"} <= set(
+        captions["Reference"]
+    )
+
+
+def test_guides_link_names_to_the_api_reference_and_to_other_libraries(site):
+    api = "api/lossscale_jax.html#lossscale_jax."
+    core = parse(site / "core.html").hrefs
+    assert f"{api}get_loss_scale_state" in core and f"{api}switch_policy" in core
+    faq = set(parse(site / "faq.html").hrefs)
+    for name in ("metrics", "overflowed_leaves", "check_checkpoint", "diagnose"):
+        assert f"{api}{name}" in faq, name
+    porting = set(parse(site / "porting.html").hrefs)
+    assert "api/compat.html#lossscale_jax.compat.torch.GradScaler" in porting
+    assert "https://optax.readthedocs.io/en/latest/api/generated/optax.chain.html#optax.chain" in (
+        set(core)
+    )
+    assert "https://docs.jax.dev/en/latest/_autosummary/jax.lax.cond.html#jax.lax.cond" in (
+        set(parse(site / "performance.html").hrefs)
+    )
+    # Every guide links the package's names: count the links into the API reference.
+    links = sum(h.startswith("api/") for page in site.glob("*.html") for h in parse(page).hrefs)
+    assert links > 300
+
+
+def test_inventories_are_those_the_script_writes():
+    sys.path.insert(0, str(DOCS / "_inventories"))
+    try:
+        import make_inventories
+    finally:
+        sys.path.remove(str(DOCS / "_inventories"))
+    for project in make_inventories.PROJECTS:
+        written = (DOCS / "_inventories" / f"{project}.inv").read_bytes()
+        assert written == make_inventories.inventory(project), project
+
+
+def test_an_architecture_page_goes_under_background(tmp_path):
+    # docs/architecture.md is a page the navigation has a place for, first under Background.
+    src = tmp_path / "docs"
+    shutil.copytree(DOCS, src, ignore=shutil.ignore_patterns("_build"))
+    for name in ("README.md", "CHANGELOG.md", "LICENSE"):  # the files the pages include
+        shutil.copy(ROOT / name, tmp_path / name)
+    for name in ("examples", "benchmarks"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "architecture.md").write_text("# How the package is laid out\n\nModules.\n")
+    result = sphinx_build(src, tmp_path / "html")
+    assert result.returncode == 0, result.stdout + result.stderr
+    captions = titles(tmp_path / "html" / "index.html").captions
+    assert captions["Background"][0] == "architecture.html"
 
 
 def _public_paths() -> set[str]:

@@ -1,9 +1,9 @@
 """The distributions: what ``python -m build`` makes, and the wheel installed on its own.
 
 One build per run (sdist, then the wheel from the sdist, as a release makes them), without
-build isolation so no index is needed. The wheel must hold the package and ``py.typed`` and
-nothing else, pass ``twine check``, carry the version of ``lossscale_jax.__version__``, and
-run the README quick start from a fresh virtual environment in which the checkout is not
+build isolation so no index is needed. The wheel must hold the package, ``py.typed`` and the
+licence and nothing else, pass ``twine check``, carry the version of ``lossscale_jax.__version__``,
+and run the README quick start from a fresh virtual environment in which the checkout is not
 importable.
 """
 
@@ -54,19 +54,19 @@ def test_wheel_holds_the_package_and_nothing_else(dists):
     names = set(zipfile.ZipFile(dists["wheel"]).namelist())
     dist_info = f"lossscale_jax-{VERSION}.dist-info/"
     assert {n for n in names if not n.startswith(dist_info)} == package_files()
-    assert {n.removeprefix(dist_info) for n in names if n.startswith(dist_info)} <= {
-        "METADATA",
-        "WHEEL",
-        "RECORD",
-        "top_level.txt",
-    }
+    meta = {n.removeprefix(dist_info) for n in names if n.startswith(dist_info)}
+    assert meta <= {"METADATA", "WHEEL", "RECORD", "top_level.txt", "licenses/LICENSE"}
+    # The licence the metadata declares travels with the wheel.
+    assert "licenses/LICENSE" in meta
+    metadata = zipfile.ZipFile(dists["wheel"]).read(f"{dist_info}METADATA").decode()
+    assert re.search(r"^License-Expression: Apache-2.0$", metadata, re.M)
 
 
 def test_sdist_holds_the_sources_without_tests(dists):
     with tarfile.open(dists["sdist"]) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert package_files() <= names
-    assert {"pyproject.toml", "README.md", "CHANGELOG.md", "PKG-INFO"} <= names
+    assert {"pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", "PKG-INFO"} <= names
     assert not [n for n in names if n.startswith(("tests/", "examples/", "docs/"))]
 
 
