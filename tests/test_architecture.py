@@ -1,0 +1,114 @@
+"""The package's layout rules (docs/architecture.md), read from its source.
+
+- no module over 450 lines (the aim is about 400);
+- no import cycle between the package's modules;
+- no private name of a public module imported by another module (internals live in
+  underscore modules);
+- the Flax, Orbax and matplotlib imports sit only in the modules that need them, and
+  ``import lossscale_jax`` loads none of them (tests/test_seams.py runs it).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "lossscale_jax"
+MAX_LINES = 450
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_private(module: str) -> bool:
+    return module.split(".")[-1].startswith("_")
+
+
+def _imports(name: str) -> list[tuple[str, str | None]]:
+    """``(module, imported name or None)`` for every package import in ``name``'s source."""
+    tree = ast.parse(MODULES[name].read_text())
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.startswith("lossscale_jax")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("lossscale_jax"):
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    found.append((sub, None) if sub in MODULES else (node.module, a.name))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_is_small(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+def test_no_import_cycle():
+    graph = {m: {t for t, _ in _imports(m) if t in MODULES and t != m} for m in MODULES}
+    # Each package imports its own submodules in __init__: that edge is not a cycle of code.
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in graph[m]:
+            if t.startswith(m + "."):
+                continue
+            if state.get(t) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join([*path, m, t])}")
+            if t not in state:
+                visit(t, [*path, m])
+        state[m] = 2
+
+    for m in MODULES:
+        if m not in state:
+            visit(m, [])
+
+
+def test_no_private_name_of_a_public_module_is_imported():
+    crossing = [
+        f"{m} <- {target}.{name}"
+        for m in MODULES
+        for target, name in _imports(m)
+        if name is not None
+        and name.startswith("_")
+        and not name.startswith("__")
+        and not _is_private(target)
+    ]
+    assert not crossing, crossing
+
+
+@pytest.mark.parametrize(
+    "package,allowed",
+    [
+        ("flax", {"lossscale_jax.flax_utils", "lossscale_jax.checkpoint"}),
+        ("orbax", {"lossscale_jax.checkpoint"}),
+        ("matplotlib", {"lossscale_jax._plot"}),
+    ],
+)
+def test_optional_packages_are_imported_only_where_needed(package, allowed):
+    users = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                hits = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                hits = [node.module or ""]
+            else:
+                continue
+            if any(h == package or h.startswith(package + ".") for h in hits):
+                users.add(name)
+    assert users <= allowed, sorted(users - allowed)
