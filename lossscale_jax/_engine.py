@@ -283,14 +283,6 @@ def engine_of(tx: Any) -> EngineUpdate | None:
     return update if isinstance(update, EngineUpdate) else None
 
 
-def check_inner(inner: Any) -> None:
-    """Refuses an ``inner`` that is not an Optax transformation (no ``init``/``update``)."""
-    if not (hasattr(inner, "init") and hasattr(inner, "update")):
-        raise TypeError(
-            f"inner must be an optax.GradientTransformation, got {type(inner).__name__}."
-        )
-
-
 def check_state(state: Any, cls: type[_S], where: str) -> _S:
     """``state`` if it is the ``cls`` state ``where``'s ``init`` makes, else ``TypeError``."""
     if not isinstance(state, cls):

@@ -21,6 +21,20 @@ from lossscale_jax._state import LossScaleState, is_loss_scale_state
 from lossscale_jax.errors import NestingError, StateNotFoundError
 
 
+def prepare_inner(inner: Any, where: str) -> optax.GradientTransformationExtraArgs:
+    """``inner`` with extra-args support, after refusing what cannot be one.
+
+    Raises ``TypeError`` for an object without ``init``/``update``, ``NestingError``
+    for a loss-scaling transformation (it would unscale twice).
+    """
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"inner must be an optax.GradientTransformation, got {type(inner).__name__}."
+        )
+    refuse_nested_inner(inner, where)
+    return optax.with_extra_args_support(inner)
+
+
 def refuse_nested_inner(inner: Any, where: str) -> None:
     """Refuses a loss-scaling transformation as the inner one (it would unscale twice)."""
     built = engine_of(inner)

@@ -21,13 +21,12 @@ from lossscale_jax._engine import (
     Check,
     Engine,
     EngineUpdate,
-    check_inner,
     check_state,
     inner_or_skip,
     skip_updates,
 )
 from lossscale_jax._hyper import check_int
-from lossscale_jax._nesting import refuse_nested_inner, refuse_nested_state
+from lossscale_jax._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax._opt_states import LossScalingMultiStepsState
 from lossscale_jax.policies import LossScalePolicy
 
@@ -129,7 +128,6 @@ def loss_scaling_multi_steps(
       TypeError, ValueError: for a bad argument, or when ``inner`` is itself a
         loss-scaling transformation.
     """
-    check_inner(inner)
     every_k = check_int("every_k", every_k, 1)
     engine = Engine.build(
         "loss_scaling_multi_steps",
@@ -141,8 +139,7 @@ def loss_scaling_multi_steps(
         on_stuck=on_stuck,
         attribution=attribution,
     )
-    refuse_nested_inner(inner, "loss_scaling_multi_steps")
-    inner = optax.with_extra_args_support(inner)
+    inner = prepare_inner(inner, "loss_scaling_multi_steps")
     measures = engine.policy.measures_range
 
     def init_fn(params: optax.Params) -> LossScalingMultiStepsState:

@@ -20,9 +20,9 @@ from lossscale_jax._access import (
     switch_policy,
 )
 from lossscale_jax._devices import AxisName, reduce_overflow
-from lossscale_jax._engine import Engine, EngineUpdate, check_inner, check_state, inner_or_skip
+from lossscale_jax._engine import Engine, EngineUpdate, check_state, inner_or_skip
 from lossscale_jax._metrics import metrics, overflowed_leaves
-from lossscale_jax._nesting import refuse_nested_inner, refuse_nested_state
+from lossscale_jax._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax._opt_states import LossScalingState
 from lossscale_jax.policies import LossScalePolicy
 
@@ -140,7 +140,6 @@ def loss_scaling(
       Micikevicius et al, `Mixed Precision Training
       <https://arxiv.org/abs/1710.03740>`_, 2018.
     """
-    check_inner(inner)
     engine = Engine.build(
         "loss_scaling",
         policy,
@@ -151,8 +150,7 @@ def loss_scaling(
         on_stuck=on_stuck,
         attribution=attribution,
     )
-    refuse_nested_inner(inner, "loss_scaling")
-    inner = optax.with_extra_args_support(inner)
+    inner = prepare_inner(inner, "loss_scaling")
 
     def init_fn(params: optax.Params) -> LossScalingState:
         inner_state = inner.init(params)

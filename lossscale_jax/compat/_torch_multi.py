@@ -17,11 +17,10 @@ from lossscale_jax._devices import AxisName
 from lossscale_jax._engine import (
     Engine,
     EngineUpdate,
-    check_inner,
     check_state,
     inner_or_skip,
 )
-from lossscale_jax._nesting import refuse_nested_inner, refuse_nested_state
+from lossscale_jax._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax._opt_states import LossScalingState
 from lossscale_jax._unscale import scale_is_bad
 from lossscale_jax.compat._common import _check_policy
@@ -124,10 +123,7 @@ def multi_optimizer(
             f"transforms must be a non-empty mapping of label -> optax transformation, got "
             f"{transforms!r}."
         )
-    for t in transforms.values():
-        check_inner(t)
-        refuse_nested_inner(t, "compat.torch.multi_optimizer")
-    inners = {k: optax.with_extra_args_support(t) for k, t in transforms.items()}
+    inners = {k: prepare_inner(t, "compat.torch.multi_optimizer") for k, t in transforms.items()}
 
     def partition(applies: Mapping[Hashable, jax.Array], scale: Any) -> Any:
         """``optax.multi_transform`` of the inner transformations, each skipped unless
