@@ -17,10 +17,12 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_performance import _count, _parse_hlo, _reads  # tests/ is on sys.path under pytest
+from script_loader import import_benchmark  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.policies import RECENT_STEPS
+
+hlo = import_benchmark("hlo")  # the benchmark's HLO reader (benchmarks/bench/hlo.py)
 
 BAD = (np.inf, -np.inf, np.nan, 65504.0, -65504.0)
 
@@ -261,13 +263,13 @@ def test_record_adds_no_pass_over_the_gradients():
             temps[attribution] = compiled.memory_analysis().temp_size_in_bytes
         for k in grads:
             label = f"grads['{k}']"
-            assert _reads(texts["reduced"], label) == _reads(texts[None], label), (fused, k)
-        assert _count(texts["reduced"], "reduce") == _count(texts[None], "reduce"), fused
+            assert hlo.reads(texts["reduced"], label) == hlo.reads(texts[None], label), (fused, k)
+        assert hlo.count(texts["reduced"], "reduce") == hlo.count(texts[None], "reduce"), fused
         # The record is n_leaves bools next to the scalar flag: a few bytes per leaf
         # (measured: 256 bytes for 20 leaves in the fused step), not one per parameter.
         extra = temps["reduced"] - temps[None]
         assert extra <= 16 * n_leaves < n_params // 20, (fused, temps)
-        comps, _ = _parse_hlo(texts["reduced"])
+        comps, _ = hlo.parse_hlo(texts["reduced"])
         assert any(i["shape"] == f"pred[{n_leaves}]" for c in comps.values() for i in c)
 
 

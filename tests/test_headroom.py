@@ -14,6 +14,7 @@ import pytest
 from flax import serialization
 from hypothesis import given, settings
 from reference_scalers import ReferenceHeadroom  # tests/ is on sys.path under pytest
+from script_loader import import_benchmark
 
 import lossscale_jax as lsj
 
@@ -271,7 +272,7 @@ def test_range_adds_no_pass_over_the_gradients():
     """With the range measured, the step reads each gradient leaf as often as with
     DynamicScale and runs as many kernels on the gradients (the maxima ride in the
     check's reductions)."""
-    from test_performance import _count, _parse_hlo, _reads
+    hlo = import_benchmark("hlo")  # the benchmark's HLO reader (benchmarks/bench/hlo.py)
 
     rng = np.random.default_rng(0)
     params = {
@@ -292,7 +293,7 @@ def test_range_adds_no_pass_over_the_gradients():
     dyn, head = compiled(lsj.DynamicScale()), compiled(lsj.HeadroomScale())
 
     def kernels_on_grads(text):
-        comps, entry = _parse_hlo(text)
+        comps, entry = hlo.parse_hlo(text)
         names = {
             i["name"]
             for i in comps[entry]
@@ -301,8 +302,8 @@ def test_range_adds_no_pass_over_the_gradients():
         return sum(1 for i in comps[entry] if i["op"] == "fusion" and set(i["operands"]) & names)
 
     for k in params:
-        assert _reads(head, f"grads['{k}']") == _reads(dyn, f"grads['{k}']"), k
-    assert _count(head, "conditional") == 1
+        assert hlo.reads(head, f"grads['{k}']") == hlo.reads(dyn, f"grads['{k}']"), k
+    assert hlo.count(head, "conditional") == 1
     assert kernels_on_grads(head) <= kernels_on_grads(dyn)
 
 
