@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import import_benchmark, replicate  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from script_loader import import_benchmark  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.policies import RECENT_STEPS
@@ -160,11 +160,10 @@ def test_pmap_fault_on_one_device(attribution):
 
     pstep = jax.pmap(step, axis_name="i")
     rep = jax.pmap(lambda x: x)
-    stack = lambda t: jax.tree_util.tree_map(lambda a: np.stack([np.asarray(a)] * n), t)  # noqa: E731
-    args = rep(stack((params, tx.init(params), params)))
+    args = rep(replicate((params, tx.init(params), params), n))
     names = ["['b']", "['v']", "['w']"]  # leaf order (sorted keys)
     for device, leaf in [(3, 1), (0, 2), (7, 0)]:
-        d, k = rep(stack((np.int32(device), np.int32(leaf))))
+        d, k = rep(replicate((np.int32(device), np.int32(leaf)), n))
         with jax.transfer_guard("disallow"):
             state = pstep(*args, d, k)
         skipped = np.asarray(state.loss_scale.last_skipped)

@@ -6,8 +6,8 @@ import pathlib
 import re
 
 import pytest
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 

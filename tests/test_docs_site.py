@@ -18,11 +18,11 @@ import types
 import urllib.parse
 
 import pytest
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax
 from lossscale_jax import compat, testing
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 SPHINX_FLAGS = ["-n", "-W", "--keep-going", "-q", "-E"]
 

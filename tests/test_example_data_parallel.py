@@ -4,17 +4,16 @@ the top of the script) in under a minute, and prints what its docstring claims."
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import subprocess
 import sys
 import time
 
 import numpy as np
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "data_parallel.py"
 ROW = re.compile(r"^\s*(\d+)\s+(device \d+|-)\s+([\d. ]+)\|([\d ]+)$")
 

@@ -17,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from helpers import assert_trees_equal  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -77,10 +78,6 @@ def make_step():
         return state.apply_gradients(grads=grads, batch_stats=stats)
 
     return step, traces
-
-
-def assert_trees_equal(a, b):
-    jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
 
 
 def test_injected_overflow_leaves_step_params_and_batch_stats():

@@ -12,9 +12,9 @@ import numpy as np
 import optax
 import pytest
 from flax import serialization
+from helpers import import_benchmark, replicate  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
-from reference_scalers import ReferenceHeadroom  # tests/ is on sys.path under pytest
-from script_loader import import_benchmark
+from reference_scalers import ReferenceHeadroom
 
 import lossscale_jax as lsj
 
@@ -314,10 +314,7 @@ def test_pmap_reduces_flag_range_and_record_in_one_collective(attribution):
     tx = lsj.loss_scaling(optax.sgd(0.1), policy, axis_name="d", attribution=attribution)
     params = _params()
 
-    def replicate(tree):
-        return jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (n, *a.shape)), tree)
-
-    state, pparams = replicate(tx.init(params)), replicate(params)
+    state, pparams = replicate(tx.init(params), n), replicate(params, n)
     mult = jnp.arange(1, n + 1, dtype=jnp.float32)  # device i: max |g| = i + 1
 
     def per_device(m, params):

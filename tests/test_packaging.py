@@ -19,10 +19,10 @@ import tarfile
 import zipfile
 
 import pytest
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lossscale_jax"
 VERSION = lossscale_jax.__version__
 

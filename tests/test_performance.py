@@ -12,18 +12,16 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from script_loader import import_benchmark  # tests/ is on sys.path under pytest
+from helpers import ROOT, assert_bits_equal, import_benchmark  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = Path(__file__).resolve().parent.parent
 # The benchmark's package (benchmarks/bench/): its HLO reader serves the tests below too.
 breakdowns = import_benchmark("breakdowns")
 cli = import_benchmark("cli")
@@ -33,23 +31,6 @@ prototypes = import_benchmark("prototypes")
 report = import_benchmark("report")
 variants = import_benchmark("variants")
 workloads = import_benchmark("workloads")
-
-
-def _bits(x) -> np.ndarray:
-    """The raw bits of an array (so -0.0 != 0.0 and nan payloads count)."""
-    a = np.asarray(x)
-    if a.dtype.kind == "f" or a.dtype == jnp.bfloat16:
-        return a.view(f"u{a.dtype.itemsize}")
-    return a
-
-
-def _assert_bitwise_equal(a, b) -> None:
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert np.asarray(x).dtype == np.asarray(y).dtype
-        np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
 def _params(rng: np.random.Generator, dtype) -> dict:
@@ -113,7 +94,7 @@ def test_fused_step_matches_optax_path_bit_for_bit(case):
             grads["b1"] = grads["b1"].at[3].set(bad)
         ref = optax_step(*ref, grads)
         out = fused_step(*out, grads)
-        _assert_bitwise_equal(out, ref)
+        assert_bits_equal(out, ref)
         skipped.append(bool(ref[1].loss_scale.last_skipped))
     # The comparison covered good steps and the skipped one.
     assert skipped == [False, False, True, False, False]
@@ -325,7 +306,7 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     state = init(params)
     bad = dict(grads, **{"002": grads["002"].at[0, 0].set(jnp.inf)})
     kept, kept_state, flags = jax.jit(step)(params, state, bad)
-    _assert_bitwise_equal((kept, kept_state), (params, state))
+    assert_bits_equal((kept, kept_state), (params, state))
     assert np.asarray(flags).tolist() == [k == "002" for k in sorted(params)]
     moved, _, flags = jax.jit(step)(params, state, grads)
     assert not np.asarray(flags).any() and not np.array_equal(moved["000"], params["000"])
@@ -375,7 +356,7 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
         )
 
     negative, kept = compiled()
-    _assert_bitwise_equal(kept, params)  # -0.0 stays -0.0
+    assert_bits_equal(kept, params)  # -0.0 stays -0.0
     plus = _engine.skip_updates
     monkeypatch.setattr(
         _engine,

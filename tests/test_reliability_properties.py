@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+from helpers import bits  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,11 +103,6 @@ def reference_step(grads, params, scale, mode, policy):
     else:  # growth_interval=1: every good step grows
         new_scale = min(np.float32(scale) * np.float32(2.0), np.float32(policy.max_scale))
     return overflow, updates, np.float32(new_scale)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.dtype, x.shape, x.tobytes()
 
 
 @settings(max_examples=14)

@@ -7,21 +7,18 @@ end, the same training on IEEE hardware.
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_script  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
-from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.testing import saturate, saturating
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 F16 = np.float16
 MAX16 = float(np.finfo(np.float16).max)  # 65504
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from script_loader import load_script  # tests/ is on sys.path under pytest
+from helpers import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 # fp16 + dynamic scaling must reach fp32's validation accuracy within this many points
 # (mean over the quick run's seeds; one validation sample is 0.22 points).
 ACCURACY_TOLERANCE = 0.02

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_script  # tests/ is on sys.path under pytest
 from reference_scalers import ReferenceDynamic  # tests/ is on sys.path under pytest
-from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEYS = {
     "setting",
     "config",
