@@ -64,7 +64,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        h = nn.SelfAttention(num_heads=2, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        # Self-attention (nn.SelfAttention is deprecated in favour of this call).
+        h = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype)(h)
         x = x + h
         h = nn.Dense(16, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
         return x + nn.Dense(8, dtype=self.dtype)(nn.gelu(h))

@@ -754,7 +754,9 @@ def test_float64_gradients_under_x64():
 
 def test_float64_numpy_gradients_without_x64_become_float32():
     g = {"w": np.array([1.0, 1e300])}  # inf once JAX makes it float32
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # numpy: overflow encountered in cast
-        grads, overflow = lsj.unscale_and_check(g, 2.0)
+    # JAX says so (without jax_enable_x64 it truncates float64 to float32).
+    with pytest.warns(UserWarning, match="float64 .* will be truncated to dtype float32"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy: overflow encountered in cast
+            grads, overflow = lsj.unscale_and_check(g, 2.0)
     assert grads["w"].dtype == jnp.float32 and bool(overflow)
