@@ -5,8 +5,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 # Test processes (pytest-xdist): one process keeps about 1.4 of 2 cores busy on average (the
-# suite is mostly single-threaded compilation); two keep both busy.
+# suite is mostly single-threaded compilation); two keep both busy. --dist loadscope: a test
+# module runs on one worker, so what its tests share (a module fixture such as an example's run
+# or the docs build, steps compiled once and cached) is made once, not once per worker.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 .PHONY: demo test lint typecheck clean docs doctest dist
 
@@ -20,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(PYTEST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext
