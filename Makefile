@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-stamp
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
-.PHONY: demo test lint typecheck clean docs doctest dist
+.PHONY: demo test test-fast lint typecheck clean docs doctest dist
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
 
+# The whole suite (CI runs this): about 4-5 minutes on 2 cores.
 test: $(STAMP)
 	$(PYTEST)
+
+# The change-test loop: the tests not marked slow (pyproject.toml lists what slow covers),
+# under 90 seconds on 2 cores. make test before pushing.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext

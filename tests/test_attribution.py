@@ -81,6 +81,7 @@ def faults(draw):
     return name, hits
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(faults())
 def test_record_names_exactly_the_leaves_hit(case):
@@ -137,6 +138,7 @@ def test_record_without_attribution_and_errors():
     assert bool(lsj.metrics(state)["overflow"]) and lsj.overflowed_leaves(state, params) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attribution", ["reduced", "local"])
 def test_pmap_fault_on_one_device(attribution):
     """The decision is reduced either way; the record is every device's OR ("reduced",
@@ -235,6 +237,7 @@ def _accumulation_step(every_k):
     return _ACC_STEP[0]
 
 
+@pytest.mark.slow
 def test_record_adds_no_pass_over_the_gradients():
     """With and without the record, the compiled steps read each gradient leaf as often and
     make the same reductions; the record costs a few bytes per leaf of temporaries."""

@@ -185,6 +185,7 @@ def test_npu_optimizer_saturating_check_and_step_not_advanced():
     assert int(adam_count) == 1  # only the good step advanced Adam
 
 
+@pytest.mark.slow
 def test_npu_optimizer_distributed_reduces_the_flag():
     tx = compat.npu.NPULossScaleOptimizer(
         optax.sgd(0.1),
@@ -433,6 +434,7 @@ def _keras_runner(initial_scale, dynamic_growth_steps):
 KERAS_CONFIGS = [(2.0**15, 2000), (2.0**15, 6), (1.0, 1)]
 
 
+@pytest.mark.slow
 @settings(max_examples=10)
 @given(seq=sequences, config=st.sampled_from(KERAS_CONFIGS))
 def test_keras_loss_scale_optimizer_matches_keras(seq, config):

@@ -441,8 +441,16 @@ def check_cells(nesting: str, fault: str, bad_at: int, where: int) -> None:
         assert_bits_equal(v3.step, vref.step, f"{m}: step after recovery")
 
 
+# The Flax and NNX nestings compile a model each (about 2 s): slow here and below, as
+# test_flax.py's heavier tests are; the Optax nestings stay in make test-fast.
+FLAX_NESTINGS = tuple(n for n in NESTINGS if n.startswith(("train_state", "nnx")))
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
-@pytest.mark.parametrize("nesting", list(NESTINGS))
+@pytest.mark.parametrize(
+    "nesting",
+    [pytest.param(n, marks=pytest.mark.slow) if n in FLAX_NESTINGS else n for n in NESTINGS],
+)
 def test_matrix(nesting, fault):
     """Each nesting x fault, in the three overflow modes (one jitted step for all three)."""
     check_cells(nesting, fault, bad_at=min(1, runner(nesting).k - 1), where=3)
@@ -461,7 +469,13 @@ def counts(tree: Any) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "nesting", ["inject_inside", "chain_inside", "multi_steps", "train_state_multi_steps"]
+    "nesting",
+    [
+        "inject_inside",
+        "chain_inside",
+        "multi_steps",
+        pytest.param("train_state_multi_steps", marks=pytest.mark.slow),
+    ],
 )
 def test_schedules_inside_see_only_applied_steps(nesting):
     """Five optimizer steps (windows), two of them bad: every count inside says 3, and so
@@ -597,6 +611,7 @@ def test_the_documented_containers_are_not_refused():
 BAD_FAULTS = ("inf", "nan", "+65504", "-65504")
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @given(
     nesting=st.sampled_from(
@@ -712,6 +727,7 @@ NESTINGS_DP = {
 NESTINGS |= NESTINGS_DP
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @given(
     nesting=st.sampled_from(list(NESTINGS_DP)),

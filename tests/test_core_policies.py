@@ -26,6 +26,7 @@ bursty = st.lists(
 ).map(lambda runs: [flag for flag, n in runs for _ in range(n)])
 
 
+@pytest.mark.slow
 @settings(max_examples=25)
 @given(
     overflows=bursty,

@@ -31,6 +31,10 @@ from reference_scalers import ReferenceDynamic
 
 import lossscale_jax as lsj
 
+# Slow (make test-fast leaves it out): pmap, shard_map and sharded jit on 8 devices, and 2
+# processes.
+pytestmark = pytest.mark.slow
+
 N = 8
 AXIS = "batch"
 AXES_2D = ("replica", "data")

@@ -14,9 +14,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import lossscale_jax as lsj
 from lossscale_jax import _upcast
+
+# Slow (make test-fast leaves it out): each test compiles a model's gradients at many loss scales,
+# or runs a process.
+pytestmark = pytest.mark.slow
 
 SIZES = [16, 32, 32, 4]
 

@@ -8,6 +8,9 @@ import re
 import pytest
 from helpers import ROOT  # tests/ is on sys.path under pytest
 
+# Slow (make test-fast leaves it out): every page's code blocks (about 35 s of test time).
+pytestmark = pytest.mark.slow
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 

@@ -23,6 +23,9 @@ from helpers import ROOT  # tests/ is on sys.path under pytest
 import lossscale_jax
 from lossscale_jax import compat, testing
 
+# Slow (make test-fast leaves it out): the documentation site built with Sphinx.
+pytestmark = pytest.mark.slow
+
 DOCS = ROOT / "docs"
 SPHINX_FLAGS = ["-n", "-W", "--keep-going", "-q", "-E"]
 

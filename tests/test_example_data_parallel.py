@@ -10,9 +10,13 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
+
+# Slow (make test-fast leaves it out): the example run as a process on 8 devices.
+pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "examples" / "data_parallel.py"
 ROW = re.compile(r"^\s*(\d+)\s+(device \d+|-)\s+([\d. ]+)\|([\d ]+)$")

@@ -200,6 +200,7 @@ def test_loss_scaling_measures_the_range_and_skips_on_overflow(mode):
     assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_fused_step_and_optax_path_agree():
     policy = lsj.HeadroomScale(init_scale=2.0**6)
     tx = lsj.loss_scaling(optax.adam(1e-2), policy)
@@ -268,6 +269,7 @@ def test_a_nan_in_saturating_mode_is_no_overflow_and_no_measurement():
     assert np.isfinite(float(new.range_peak)) and float(new.range_peak) >= peak * 0.99
 
 
+@pytest.mark.slow
 def test_range_adds_no_pass_over_the_gradients():
     """With the range measured, the step reads each gradient leaf as often as with
     DynamicScale and runs as many kernels on the gradients (the maxima ride in the
@@ -307,6 +309,7 @@ def test_range_adds_no_pass_over_the_gradients():
     assert kernels_on_grads(head) <= kernels_on_grads(dyn)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attribution", ["reduced", "local"])
 def test_pmap_reduces_flag_range_and_record_in_one_collective(attribution):
     n = 8
@@ -337,6 +340,7 @@ def test_pmap_reduces_flag_range_and_record_in_one_collective(attribution):
     assert np.all(np.asarray(new.loss_scale.scale) == 1.0)
 
 
+@pytest.mark.slow
 def test_shard_map_same_decision_everywhere():
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P

@@ -23,6 +23,9 @@ from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax
 
+# Slow (make test-fast leaves it out): an sdist and a wheel built, a virtual environment made.
+pytestmark = pytest.mark.slow
+
 PACKAGE = ROOT / "lossscale_jax"
 VERSION = lossscale_jax.__version__
 

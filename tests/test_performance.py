@@ -155,6 +155,7 @@ def _compile(fn, init, params, grads):
     return jax.jit(fn, donate_argnums=(0, 1)).lower(params, init(params), grads).compile()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ieee", "saturating"])
 def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
     rng = np.random.default_rng(2)
@@ -238,6 +239,7 @@ def test_hlo_reader_sees_a_whole_tree_select():
     assert hlo.reads(text, "grads['a']") >= 1
 
 
+@pytest.mark.slow
 def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     def instructions(n_leaves: int) -> int:
         params = {f"{i:03d}": jnp.ones((8 + i,), jnp.float32) for i in range(n_leaves)}
@@ -250,6 +252,7 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
 
 
+@pytest.mark.slow
 def test_benchmark_quick_run(tmp_path):
     """`benchmarks/bench_step.py --quick`: every variant, full and post step, stays finite
     with its loss scale unmoved (else the benchmark refuses it), and the table is written."""
@@ -282,6 +285,7 @@ def test_benchmark_quick_run(tmp_path):
     assert "| lsj_fused_ieee |" in table and (tmp_path / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tmp_path):
     """The compile-time breakdown: every piece compiles, the skeleton skips like the library
     (no update on an inf gradient), and its table lands in the marked block of a doc."""
@@ -320,6 +324,7 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     assert "old" not in text and "| skel_check_cond |" in text and text.endswith("after\n")
 
 
+@pytest.mark.slow
 def test_benchmark_command_renders_the_saved_run(tmp_path):
     """`python benchmarks/bench_step.py --render`, the one command run as a process, writes
     from results.json the results.md committed next to it, byte for byte."""
@@ -331,6 +336,7 @@ def test_benchmark_command_renders_the_saved_run(tmp_path):
     ).read_bytes()
 
 
+@pytest.mark.slow
 def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     """A skipped step's updates are -0.0 (params + updates keeps -0.0 parameters): the same
     compiled step, op for op and byte for byte, as with +0.0 (which would not keep them)."""
@@ -370,6 +376,7 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     assert mem_n.temp_size_in_bytes == mem_p.temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_benchmark_prototypes_still_trace_and_stay_finite():
     """Every variant outside the default run, the `proto_*` ones (the formulations
     docs/performance.md compares against) and the HeadroomScale steps, runs against the library
@@ -381,6 +388,7 @@ def test_benchmark_prototypes_still_trace_and_stay_finite():
     assert all(r["refused"] is None and r["conditionals"] == 1 for r in rows[1:]), rows
 
 
+@pytest.mark.slow
 def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
 

@@ -65,6 +65,7 @@ def save_orbax(path, tree):
         ckptr.save(path, tree)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend,name",
     # Orbax saves take seconds: the two nested forms cover the plain one.

@@ -364,6 +364,7 @@ def example():
     return _load_example()
 
 
+@pytest.mark.slow
 def test_ieee_check_misses_what_saturating_check_catches(example):
     """The same overflow (the initial scale of 2**24), seen by each check on each device."""
     (x, y), _ = example.make_data(1, 32)
@@ -388,6 +389,7 @@ def test_ieee_check_misses_what_saturating_check_catches(example):
         )
 
 
+@pytest.mark.slow
 def test_example_end_to_end(example, capsys):
     steps = 30
     results = example.main(steps=steps, batch=32)

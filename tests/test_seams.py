@@ -113,6 +113,7 @@ def test_multi_optimizer_refuses_pmap_without_its_axis():
     assert isinstance(info.value, lsj.errors.AxisError)
 
 
+@pytest.mark.slow
 def test_multi_optimizer_takes_one_decision_per_label_on_every_device():
     """Under pmap with axis_name, an overflow on one device skips that label everywhere."""
     n = 4
@@ -184,6 +185,7 @@ def test_orbax_policy_check_on_a_replicated_state(tmp_path):
 # ------------------------------------------------------------------ 4. accumulation checkpoints
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "saved_policy,new_policy",
     [
@@ -282,6 +284,7 @@ def _run(code: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 def test_import_loads_no_flax_orbax_or_matplotlib_until_used():
     out = _run(
         """
@@ -296,6 +299,7 @@ def test_import_loads_no_flax_orbax_or_matplotlib_until_used():
     assert out.splitlines() == ["[]", "True"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flax_first", [False, True])
 def test_flax_serialization_round_trips_whichever_is_imported_first(flax_first):
     out = _run(

@@ -24,6 +24,9 @@ from helpers import run_policy  # noqa: I001  (tests/ is on sys.path under pytes
 import lossscale_jax as lsj
 from lossscale_jax import compat
 
+# Slow (make test-fast leaves it out): a port of the peer's own tests, several seconds in all.
+pytestmark = pytest.mark.slow
+
 TINY = float(np.finfo(np.float32).tiny)  # torch.finfo(torch.float32).smallest_normal
 F32_MAX = float(np.finfo(np.float32).max)
 
