@@ -5,10 +5,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 # Test processes (pytest-xdist): one process keeps about 1.4 of 2 cores busy on average (the
-# suite is mostly single-threaded compilation); two keep both busy.
+# suite is mostly single-threaded compilation); two keep both busy. --dist loadscope: a test
+# module runs on one worker, so what its tests share (a module fixture such as an example's run
+# or the docs build, steps compiled once and cached) is made once, not once per worker.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
-.PHONY: demo test lint typecheck clean docs docs-outputs doctest dist
+.PHONY: demo test test-fast lint typecheck clean docs docs-outputs doctest dist
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +22,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
 
+# The whole suite (CI runs this): about 4-5 minutes on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(PYTEST)
+
+# The change-test loop: the tests not marked slow (pyproject.toml lists what slow covers),
+# under 90 seconds on 2 cores. make test before pushing.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext docs/_inventories

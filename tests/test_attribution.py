@@ -15,12 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import import_benchmark, replicate  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_performance import _count, _parse_hlo, _reads  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.policies import RECENT_STEPS
+
+hlo = import_benchmark("hlo")  # the benchmark's HLO reader (benchmarks/bench/hlo.py)
 
 BAD = (np.inf, -np.inf, np.nan, 65504.0, -65504.0)
 
@@ -79,6 +81,7 @@ def faults(draw):
     return name, hits
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(faults())
 def test_record_names_exactly_the_leaves_hit(case):
@@ -135,6 +138,7 @@ def test_record_without_attribution_and_errors():
     assert bool(lsj.metrics(state)["overflow"]) and lsj.overflowed_leaves(state, params) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attribution", ["reduced", "local"])
 def test_pmap_fault_on_one_device(attribution):
     """The decision is reduced either way; the record is every device's OR ("reduced",
@@ -158,11 +162,10 @@ def test_pmap_fault_on_one_device(attribution):
 
     pstep = jax.pmap(step, axis_name="i")
     rep = jax.pmap(lambda x: x)
-    stack = lambda t: jax.tree_util.tree_map(lambda a: np.stack([np.asarray(a)] * n), t)  # noqa: E731
-    args = rep(stack((params, tx.init(params), params)))
+    args = rep(replicate((params, tx.init(params), params), n))
     names = ["['b']", "['v']", "['w']"]  # leaf order (sorted keys)
     for device, leaf in [(3, 1), (0, 2), (7, 0)]:
-        d, k = rep(stack((np.int32(device), np.int32(leaf))))
+        d, k = rep(replicate((np.int32(device), np.int32(leaf)), n))
         with jax.transfer_guard("disallow"):
             state = pstep(*args, d, k)
         skipped = np.asarray(state.loss_scale.last_skipped)
@@ -234,6 +237,7 @@ def _accumulation_step(every_k):
     return _ACC_STEP[0]
 
 
+@pytest.mark.slow
 def test_record_adds_no_pass_over_the_gradients():
     """With and without the record, the compiled steps read each gradient leaf as often and
     make the same reductions; the record costs a few bytes per leaf of temporaries."""
@@ -261,13 +265,13 @@ def test_record_adds_no_pass_over_the_gradients():
             temps[attribution] = compiled.memory_analysis().temp_size_in_bytes
         for k in grads:
             label = f"grads['{k}']"
-            assert _reads(texts["reduced"], label) == _reads(texts[None], label), (fused, k)
-        assert _count(texts["reduced"], "reduce") == _count(texts[None], "reduce"), fused
+            assert hlo.reads(texts["reduced"], label) == hlo.reads(texts[None], label), (fused, k)
+        assert hlo.count(texts["reduced"], "reduce") == hlo.count(texts[None], "reduce"), fused
         # The record is n_leaves bools next to the scalar flag: a few bytes per leaf
         # (measured: 256 bytes for 20 leaves in the fused step), not one per parameter.
         extra = temps["reduced"] - temps[None]
         assert extra <= 16 * n_leaves < n_params // 20, (fused, temps)
-        comps, _ = _parse_hlo(texts["reduced"])
+        comps, _ = hlo.parse_hlo(texts["reduced"])
         assert any(i["shape"] == f"pred[{n_leaves}]" for c in comps.values() for i in c)
 
 

@@ -20,9 +20,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax.training import dynamic_scale as flax_dynamic_scale  # noqa: E402
+from helpers import run_policy  # noqa: E402  (tests/ is on sys.path under pytest)
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from reference_scalers import (  # noqa: E402  (tests/ is on sys.path under pytest)
+from reference_scalers import (  # noqa: E402
     ApexLossScaler,
     ApexUpdateScaleHysteresis,
     CerebrasGradScaler,
@@ -78,18 +79,9 @@ sequences = st.one_of(_runs, _noise)
 # Runners: ours, and the real libraries, each one compile per configuration.
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def run_policy(policy: lsj.LossScalePolicy, flags: jax.Array):
-    def body(s, f):
-        s = policy.adjust(s, f)
-        return s, (s.scale, s.last_skipped, s.stuck)
-
-    return jax.lax.scan(body, policy.init(), flags)[1]
-
-
 def ours(policy, seq):
-    scale, skipped, stuck = run_policy(policy, jnp.asarray(seq))
-    return np.asarray(scale), np.asarray(skipped), np.asarray(stuck)
+    states = run_policy(policy, seq)
+    return states.scale, states.last_skipped, states.stuck
 
 
 def reference(ref, seq):
@@ -193,6 +185,7 @@ def test_npu_optimizer_saturating_check_and_step_not_advanced():
     assert int(adam_count) == 1  # only the good step advanced Adam
 
 
+@pytest.mark.slow
 def test_npu_optimizer_distributed_reduces_the_flag():
     tx = compat.npu.NPULossScaleOptimizer(
         optax.sgd(0.1),
@@ -441,6 +434,7 @@ def _keras_runner(initial_scale, dynamic_growth_steps):
 KERAS_CONFIGS = [(2.0**15, 2000), (2.0**15, 6), (1.0, 1)]
 
 
+@pytest.mark.slow
 @settings(max_examples=10)
 @given(seq=sequences, config=st.sampled_from(KERAS_CONFIGS))
 def test_keras_loss_scale_optimizer_matches_keras(seq, config):

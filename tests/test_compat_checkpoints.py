@@ -271,6 +271,7 @@ def _keras_run(opt_vars, flags):
     return out
 
 
+@pytest.mark.slow
 def test_keras_variables_round_trip():
     opt, _, paths, _ = _keras()
     # Keras numbers its optimizers' names (loss_scale_optimizer_1/...) within a process.

@@ -27,6 +27,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import (  # tests/ is on sys.path under pytest
+    all_finite,
+    assert_bits_equal,
+    assert_same_on_every_device,
+    replicate,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -56,33 +62,6 @@ SCHEDULE = optax.linear_schedule(0.1, 0.01, transition_steps=20)
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def bits(tree: Any) -> Any:
-    """Every leaf as (dtype, shape, bytes): equal means bit-identical, -0.0 and nan included."""
-    return jax.tree_util.tree_map(
-        lambda x: (np.asarray(x).dtype.str, np.shape(x), np.asarray(x).tobytes()), tree
-    )
-
-
-def assert_bits(a: Any, b: Any, what: str) -> None:
-    la, ta = jax.tree_util.tree_flatten(
-        bits(a), is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3
-    )
-    lb, tb = jax.tree_util.tree_flatten(
-        bits(b), is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3
-    )
-    assert ta == tb, what
-    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
-        assert x == y, f"{what}: leaf {i} differs"
-
-
-def finite(tree: Any) -> bool:
-    return all(
-        bool(np.all(np.isfinite(np.asarray(x))))
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact)
-    )
 
 
 def inject(grads: Any, fault: jax.Array, where: jax.Array) -> Any:
@@ -438,32 +417,40 @@ def check_cells(nesting: str, fault: str, bad_at: int, where: int) -> None:
             if v1.step is not None:
                 assert int(v2.step) == int(v1.step) + 1, m
             if not (fault == "nan" and m == "saturating"):  # nan is not this mode's to see
-                assert finite(v2), m
+                assert all_finite(v2), m
             continue
 
         # The bad window changed nothing but the loss-scale state.
-        assert_bits(v2.params, v1.params, f"{m}: params")
-        assert_bits(v2.inner, v1.inner, f"{m}: inner optimizer state")
-        assert_bits(v2.step, v1.step, f"{m}: step")
+        assert_bits_equal(v2.params, v1.params, f"{m}: params")
+        assert_bits_equal(v2.inner, v1.inner, f"{m}: inner optimizer state")
+        assert_bits_equal(v2.step, v1.step, f"{m}: step")
         # Collections: those written before the bad micro-batch persist, none after it.
         for j in range(bad_at + 1, r.k + 1):
-            assert_bits(
+            assert_bits_equal(
                 views[j][m].collections, views[bad_at][m].collections, f"{m}: collections {j}"
             )
         assert float(ls2.scale) == float(ls1.scale) / 2, m  # DynamicScale backed off
-        assert finite(v2), m
+        assert all_finite(v2), m
 
         # Recovery: the next good window applies and equals the reference, bit for bit.
         assert not bool(ls3.last_skipped), m
         v3, vref = r.view(m, s3[m]), r.view(m, ref[m])
-        assert_bits(v3.params, vref.params, f"{m}: params after recovery")
-        assert_bits(v3.inner, vref.inner, f"{m}: inner state after recovery")
-        assert_bits(v3.collections, vref.collections, f"{m}: collections after recovery")
-        assert_bits(v3.step, vref.step, f"{m}: step after recovery")
+        assert_bits_equal(v3.params, vref.params, f"{m}: params after recovery")
+        assert_bits_equal(v3.inner, vref.inner, f"{m}: inner state after recovery")
+        assert_bits_equal(v3.collections, vref.collections, f"{m}: collections after recovery")
+        assert_bits_equal(v3.step, vref.step, f"{m}: step after recovery")
+
+
+# The Flax and NNX nestings compile a model each (about 2 s): slow here and below, as
+# test_flax.py's heavier tests are; the Optax nestings stay in make test-fast.
+FLAX_NESTINGS = tuple(n for n in NESTINGS if n.startswith(("train_state", "nnx")))
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-@pytest.mark.parametrize("nesting", list(NESTINGS))
+@pytest.mark.parametrize(
+    "nesting",
+    [pytest.param(n, marks=pytest.mark.slow) if n in FLAX_NESTINGS else n for n in NESTINGS],
+)
 def test_matrix(nesting, fault):
     """Each nesting x fault, in the three overflow modes (one jitted step for all three)."""
     check_cells(nesting, fault, bad_at=min(1, runner(nesting).k - 1), where=3)
@@ -482,7 +469,13 @@ def counts(tree: Any) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "nesting", ["inject_inside", "chain_inside", "multi_steps", "train_state_multi_steps"]
+    "nesting",
+    [
+        "inject_inside",
+        "chain_inside",
+        "multi_steps",
+        pytest.param("train_state_multi_steps", marks=pytest.mark.slow),
+    ],
 )
 def test_schedules_inside_see_only_applied_steps(nesting):
     """Five optimizer steps (windows), two of them bad: every count inside says 3, and so
@@ -618,6 +611,7 @@ def test_the_documented_containers_are_not_refused():
 BAD_FAULTS = ("inf", "nan", "+65504", "-65504")
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @given(
     nesting=st.sampled_from(
@@ -646,10 +640,6 @@ def device_data(t: int) -> dict[str, np.ndarray]:
     """Each device's own unscaled gradients for batch t (float16-exact as ``data``)."""
     per_device = [data(1000 * d + t)["grads"] for d in range(N_DEV)]
     return {k: np.stack([g[k] for g in per_device]) for k in PARAMS}
-
-
-def replicate(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: np.broadcast_to(a, (N_DEV, *np.shape(a))), tree)
 
 
 class DeviceRunner:
@@ -688,7 +678,7 @@ class DeviceRunner:
 
     def init(self):
         states = {m: (PARAMS, tx.init(PARAMS)) for m, tx in self.txs.items()}
-        return replicate(states) if self.mapper == "pmap" else states
+        return replicate(states, N_DEV) if self.mapper == "pmap" else states
 
     def step(self, states, t, fault=0.0, where=-1):
         grads = device_data(t)
@@ -700,9 +690,7 @@ class DeviceRunner:
         """Under pmap: the first device's copy, after checking that every device holds it."""
         if self.mapper != "pmap":
             return tree
-        for leaf in jax.tree_util.tree_leaves(tree):
-            leaf = np.asarray(leaf)
-            assert all(leaf[d].tobytes() == leaf[0].tobytes() for d in range(N_DEV))
+        assert_same_on_every_device(tree, N_DEV)
         return jax.tree_util.tree_map(lambda a: np.asarray(a)[0], tree)
 
     def with_collections(self, m, state, collections):
@@ -739,6 +727,7 @@ NESTINGS_DP = {
 NESTINGS |= NESTINGS_DP
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @given(
     nesting=st.sampled_from(list(NESTINGS_DP)),

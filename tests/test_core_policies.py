@@ -9,28 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_policy  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_scalers import ReferenceDynamic  # tests/ is on sys.path under pytest
+from reference_scalers import ReferenceDynamic
 
 import lossscale_jax as lsj
 
 F32 = np.float32
 I32_MAX = np.iinfo(np.int32).max
-
-
-def run_policy(policy, overflows):
-    """Scans ``policy.adjust`` over a bool sequence; returns per-step states (one compile)."""
-
-    @jax.jit
-    def run(flags):
-        def body(s, f):
-            s = policy.adjust(s, f)
-            return s, s
-
-        return jax.lax.scan(body, policy.init(), flags)[1]
-
-    return run(jnp.asarray(overflows, jnp.bool_))
 
 
 # Sequences with bursts of overflows and long good runs.
@@ -39,6 +26,7 @@ bursty = st.lists(
 ).map(lambda runs: [flag for flag, n in runs for _ in range(n)])
 
 
+@pytest.mark.slow
 @settings(max_examples=25)
 @given(
     overflows=bursty,

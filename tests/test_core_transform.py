@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_equal  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -20,15 +21,6 @@ def params_of(dtype=jnp.float32):
 
 def grads_like(params, value=1.0, dtype=jnp.float16):
     return jax.tree_util.tree_map(lambda p: jnp.full(p.shape, value, dtype), params)
-
-
-def assert_trees_equal(a, b):
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def make_step(tx):

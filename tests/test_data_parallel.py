@@ -23,12 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_same_on_every_device, replicate  # tests/ is on sys.path under pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from reference_scalers import ReferenceDynamic  # tests/ is on sys.path under pytest
+from reference_scalers import ReferenceDynamic
 
 import lossscale_jax as lsj
+
+# Slow (make test-fast leaves it out): pmap, shard_map and sharded jit on 8 devices, and 2
+# processes.
+pytestmark = pytest.mark.slow
 
 N = 8
 AXIS = "batch"
@@ -70,23 +75,6 @@ def reference_dynamic_scale(policy: lsj.DynamicScale, overflows) -> list[dict]:
             )
         )
     return out
-
-
-def assert_same_on_every_device(tree, n: int = N) -> None:
-    """Every leaf has a leading device axis whose slices are bit-identical."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        a = np.asarray(leaf)
-        assert a.shape[0] == n, (path, a.shape)
-        for d in range(1, n):
-            assert a[d].tobytes() == a[0].tobytes(), (
-                f"{jax.tree_util.keystr(path)} differs between device 0 and device {d}: "
-                f"{a[0]!r} vs {a[d]!r}"
-            )
-
-
-def replicate(tree, n: int = N):
-    """Host copies with a leading device axis (what ``pmap`` takes as replicated input)."""
-    return jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))), tree)
 
 
 # --------------------------------------------------------------------------
@@ -131,7 +119,7 @@ def mapped(mapper, step, num_args=1):
         pfn = jax.pmap(step, axis_name=AXIS)
 
         def run(params, opt_state, *args):
-            out = pfn(replicate(params), replicate(opt_state), *args)
+            out = pfn(replicate(params, N), replicate(opt_state, N), *args)
             return jax.tree_util.tree_map(np.asarray, out)
 
         return run
@@ -202,7 +190,7 @@ def test_one_device_inf_all_skip(mapper, average):
 
     run = mapped(mapper, step)
     params1, state1 = run(PARAMS, tx.init(PARAMS), local_grads(poisoned))
-    assert_same_on_every_device((params1, state1))
+    assert_same_on_every_device((params1, state1), N)
     ls = lsj.get_loss_scale_state(state1)
     np.testing.assert_array_equal(ls.last_skipped, True)
     np.testing.assert_array_equal(ls.scale, np.float32(2.0**9))
@@ -216,7 +204,7 @@ def test_one_device_inf_all_skip(mapper, average):
     # computes from the mean of the unscaled gradients.
     first = jax.tree_util.tree_map(lambda a: a[0], (params1, state1))
     params2, state2 = run(*first, local_grads(clean))
-    assert_same_on_every_device((params2, state2))
+    assert_same_on_every_device((params2, state2), N)
     scale = np.float32(2.0**9)
     mean_g = {
         "w": (clean.astype(np.float32) / scale).mean(0),
@@ -259,7 +247,7 @@ def test_without_axis_name_devices_disagree():
         "pmap", update_step(tx, "none"), PARAMS, tx.init(PARAMS), [local_grads(grads)]
     )
     np.testing.assert_array_equal(lsj.get_loss_scale_state(state).last_skipped, True)
-    assert_same_on_every_device((params, state))
+    assert_same_on_every_device((params, state), N)
 
 
 def test_fused_apply_gradients_same_decision():
@@ -272,7 +260,7 @@ def test_fused_apply_gradients_same_decision():
         return lsj.apply_gradients(tx, grads, opt_state, params)
 
     params, state = run_mapped("pmap", fused, PARAMS, tx.init(PARAMS), [local_grads(grads)])
-    assert_same_on_every_device((params, state))
+    assert_same_on_every_device((params, state), N)
     np.testing.assert_array_equal(lsj.get_loss_scale_state(state).last_skipped, True)
     np.testing.assert_array_equal(state.inner_state[-1][0].count, 0)
 
@@ -294,7 +282,7 @@ def test_saturated_values_that_cancel_in_the_mean_still_skip(mapper, mode):
     params, state = run_mapped(
         mapper, update_step(tx, "after"), PARAMS, tx.init(PARAMS), [local_grads(grads)]
     )
-    assert_same_on_every_device((params, state))
+    assert_same_on_every_device((params, state), N)
     ls = lsj.get_loss_scale_state(state)
     np.testing.assert_array_equal(ls.last_skipped, True)
     np.testing.assert_array_equal(ls.scale, np.float32(2.0**9))
@@ -346,7 +334,7 @@ def test_missing_axis_name_is_refused_where_jax_shows_the_axis():
         )
     # Gradients already averaged (the same on every device): fine in "ieee" mode ...
     _, state = _shard_map_update(plain, average_first=True)()
-    assert_same_on_every_device(state)
+    assert_same_on_every_device(state, N)
     # ... refused in "saturating"/"both", where +-65504 can cancel in the mean.
     for mode in ("saturating", "both"):
         sat = lsj.loss_scaling(optax.adam(LR), policy, overflow=mode)
@@ -491,14 +479,14 @@ def test_random_injections_200_steps_bit_identical():
 
     fn = jax.pmap(train, axis_name=AXIS)
     (params, state), traj = fn(
-        replicate(PARAMS),
-        replicate(tx.init(PARAMS)),
+        replicate(PARAMS, N),
+        replicate(tx.init(PARAMS), N),
         per_device(x),
         per_device(y),
         poison.T,
         poisoned.T,
     )
-    assert_same_on_every_device((params, state, traj))
+    assert_same_on_every_device((params, state, traj), N)
 
     overflow = poisoned.any(axis=1)
     assert 20 < overflow.sum() < 120  # the run exercises both branches
@@ -566,7 +554,7 @@ def test_one_extra_all_reduce(mapper, average, attribution):
         step = step_for(tx, scaled)
         if mapper == "pmap":
             fn = jax.pmap(step, axis_name=AXIS)
-            lowered = fn.lower(replicate(PARAMS), replicate(tx.init(PARAMS)), xs, ys)
+            lowered = fn.lower(replicate(PARAMS, N), replicate(tx.init(PARAMS), N), xs, ys)
         else:
             mesh = jax.make_mesh((N,), (AXIS,), devices=jax.devices()[:N])
             fn = jax.jit(
@@ -683,9 +671,9 @@ def test_sharded_jit_trajectory_matches_pmap():
     # pmap: local batches, gradients averaged before the update, flag reduced over "batch".
     tx = make_tx(policy, "ieee", "before")
     (p_params, _), p_traj = jax.pmap(scan_steps(tx, "before"), axis_name=AXIS)(
-        replicate(PARAMS), replicate(tx.init(PARAMS)), per_device(x), per_device(y)
+        replicate(PARAMS, N), replicate(tx.init(PARAMS), N), per_device(x), per_device(y)
     )
-    assert_same_on_every_device((p_params, p_traj))
+    assert_same_on_every_device((p_params, p_traj), N)
 
     # jit: one global batch sharded over the 8 devices, no axis_name anywhere.
     mesh = mesh_1d()

@@ -14,9 +14,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import lossscale_jax as lsj
 from lossscale_jax import _upcast
+
+# Slow (make test-fast leaves it out): each test compiles a model's gradients at many loss scales,
+# or runs a process.
+pytestmark = pytest.mark.slow
 
 SIZES = [16, 32, 32, 4]
 
@@ -64,7 +69,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        h = nn.SelfAttention(num_heads=2, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        # Self-attention (nn.SelfAttention is deprecated in favour of this call).
+        h = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype)(h)
         x = x + h
         h = nn.Dense(16, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
         return x + nn.Dense(8, dtype=self.dtype)(nn.gelu(h))

@@ -10,8 +10,11 @@ import pathlib
 import re
 
 import pytest
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Slow (make test-fast leaves it out): every page's code blocks (about 35 s of test time).
+pytestmark = pytest.mark.slow
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 DIFF = re.compile(r"^```diff\n(.*?)^```", re.S | re.M)

@@ -18,11 +18,14 @@ import types
 import urllib.parse
 
 import pytest
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax
 from lossscale_jax import compat, testing
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Slow (make test-fast leaves it out): the documentation site built with Sphinx.
+pytestmark = pytest.mark.slow
+
 DOCS = ROOT / "docs"
 SPHINX_FLAGS = ["-n", "-W", "--keep-going", "-q", "-E"]
 

@@ -17,6 +17,9 @@ import pytest
 
 import lossscale_jax
 
+# Slow (make test-fast leaves it out): every docstring example (make doctest runs them alone).
+pytestmark = pytest.mark.slow
+
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

@@ -3,7 +3,6 @@ every case here)."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 import sys
 import warnings
@@ -15,11 +14,12 @@ import numpy as np
 import optax
 import pytest
 from flax import serialization
+from helpers import ROOT, replicate  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax import compat
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
+DOC = ROOT / "docs" / "errors.md"
 PARAMS = {"w": jnp.ones(3, jnp.float32)}
 TX = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale())
 STATE = TX.init(PARAMS)
@@ -82,8 +82,8 @@ def under_pmap(tx, grads_fn=lambda g: g):
     def step(p, s, g):
         return tx.update(grads_fn(g), s, p)[1]
 
-    rep = lambda t: jax.tree_util.tree_map(lambda a: np.broadcast_to(a, (8, *a.shape)), t)  # noqa: E731
-    return lambda: jax.pmap(step, axis_name="batch")(rep(PARAMS), rep(tx.init(PARAMS)), rep(G16))
+    args = replicate((PARAMS, tx.init(PARAMS), G16), 8)
+    return lambda: jax.pmap(step, axis_name="batch")(*args)
 
 
 def under_shard_map(tx, average_first=False):
@@ -99,7 +99,7 @@ def under_shard_map(tx, average_first=False):
         return tx.update(g, s, p)[1].loss_scale.scale
 
     g = jax.device_put(
-        jax.tree_util.tree_map(lambda a: np.broadcast_to(a, (8, *a.shape)), G16),
+        replicate(G16, 8),
         NamedSharding(mesh, P("batch")),
     )
     sm = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("batch")), out_specs=P())
@@ -754,7 +754,9 @@ def test_float64_gradients_under_x64():
 
 def test_float64_numpy_gradients_without_x64_become_float32():
     g = {"w": np.array([1.0, 1e300])}  # inf once JAX makes it float32
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # numpy: overflow encountered in cast
-        grads, overflow = lsj.unscale_and_check(g, 2.0)
+    # JAX says so (without jax_enable_x64 it truncates float64 to float32).
+    with pytest.warns(UserWarning, match="float64 .* will be truncated to dtype float32"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy: overflow encountered in cast
+            grads, overflow = lsj.unscale_and_check(g, 2.0)
     assert grads["w"].dtype == jnp.float32 and bool(overflow)

@@ -4,17 +4,20 @@ the top of the script) in under a minute, and prints what its docstring claims."
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Slow (make test-fast leaves it out): the example run as a process on 8 devices.
+pytestmark = pytest.mark.slow
+
 SCRIPT = ROOT / "examples" / "data_parallel.py"
 ROW = re.compile(r"^\s*(\d+)\s+(device \d+|-)\s+([\d. ]+)\|([\d ]+)$")
 

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import numpy as np
-from script_loader import load_script  # tests/ is on sys.path under pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import load_script  # tests/ is on sys.path under pytest
 
 
 def load(name: str):

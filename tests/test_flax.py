@@ -17,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from helpers import assert_trees_equal  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -79,10 +80,6 @@ def make_step():
     return step, traces
 
 
-def assert_trees_equal(a, b):
-    jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
-
-
 def test_injected_overflow_leaves_step_params_and_batch_stats():
     step, traces = make_step()
     state = step(make_state(), *batch(1))  # one good step first
@@ -103,6 +100,7 @@ def test_injected_overflow_leaves_step_params_and_batch_stats():
     assert len(traces) == 1  # one compilation for good and skipped steps alike
 
 
+@pytest.mark.slow
 def test_matches_flax_train_state_on_good_steps():
     """Reference: Flax's TrainState + optax.adam on the unscaled grads of good steps."""
     step, traces = make_step()
@@ -136,6 +134,7 @@ def test_matches_flax_train_state_on_good_steps():
     assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_fused_and_optax_paths_are_bit_identical():
     """A bare loss_scaling takes the fused step; wrapped in optax.chain, the Optax path."""
     step, traces = make_step()
@@ -187,6 +186,7 @@ def test_create_validates():
         state.apply_gradients(grads=grads, batch_stats={"mean": jnp.zeros(1)})
 
 
+@pytest.mark.slow
 def test_accumulation_counts_windows_and_never_keeps_bad_statistics():
     """The reported case: loss_scaling_multi_steps(k=4), inf in micro-batch 1 of 8.
 
@@ -251,6 +251,7 @@ def nnx_step_fn(traces):
     return step
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_skips_and_rolls_back():
     traces = []
     step = nnx_step_fn(traces)

@@ -12,8 +12,9 @@ import numpy as np
 import optax
 import pytest
 from flax import serialization
+from helpers import import_benchmark, replicate  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
-from reference_scalers import ReferenceHeadroom  # tests/ is on sys.path under pytest
+from reference_scalers import ReferenceHeadroom
 
 import lossscale_jax as lsj
 
@@ -199,6 +200,7 @@ def test_loss_scaling_measures_the_range_and_skips_on_overflow(mode):
     assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_fused_step_and_optax_path_agree():
     policy = lsj.HeadroomScale(init_scale=2.0**6)
     tx = lsj.loss_scaling(optax.adam(1e-2), policy)
@@ -267,11 +269,12 @@ def test_a_nan_in_saturating_mode_is_no_overflow_and_no_measurement():
     assert np.isfinite(float(new.range_peak)) and float(new.range_peak) >= peak * 0.99
 
 
+@pytest.mark.slow
 def test_range_adds_no_pass_over_the_gradients():
     """With the range measured, the step reads each gradient leaf as often as with
     DynamicScale and runs as many kernels on the gradients (the maxima ride in the
     check's reductions)."""
-    from test_performance import _count, _parse_hlo, _reads
+    hlo = import_benchmark("hlo")  # the benchmark's HLO reader (benchmarks/bench/hlo.py)
 
     rng = np.random.default_rng(0)
     params = {
@@ -292,7 +295,7 @@ def test_range_adds_no_pass_over_the_gradients():
     dyn, head = compiled(lsj.DynamicScale()), compiled(lsj.HeadroomScale())
 
     def kernels_on_grads(text):
-        comps, entry = _parse_hlo(text)
+        comps, entry = hlo.parse_hlo(text)
         names = {
             i["name"]
             for i in comps[entry]
@@ -301,11 +304,12 @@ def test_range_adds_no_pass_over_the_gradients():
         return sum(1 for i in comps[entry] if i["op"] == "fusion" and set(i["operands"]) & names)
 
     for k in params:
-        assert _reads(head, f"grads['{k}']") == _reads(dyn, f"grads['{k}']"), k
-    assert _count(head, "conditional") == 1
+        assert hlo.reads(head, f"grads['{k}']") == hlo.reads(dyn, f"grads['{k}']"), k
+    assert hlo.count(head, "conditional") == 1
     assert kernels_on_grads(head) <= kernels_on_grads(dyn)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attribution", ["reduced", "local"])
 def test_pmap_reduces_flag_range_and_record_in_one_collective(attribution):
     n = 8
@@ -313,10 +317,7 @@ def test_pmap_reduces_flag_range_and_record_in_one_collective(attribution):
     tx = lsj.loss_scaling(optax.sgd(0.1), policy, axis_name="d", attribution=attribution)
     params = _params()
 
-    def replicate(tree):
-        return jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (n, *a.shape)), tree)
-
-    state, pparams = replicate(tx.init(params)), replicate(params)
+    state, pparams = replicate(tx.init(params), n), replicate(params, n)
     mult = jnp.arange(1, n + 1, dtype=jnp.float32)  # device i: max |g| = i + 1
 
     def per_device(m, params):
@@ -339,6 +340,7 @@ def test_pmap_reduces_flag_range_and_record_in_one_collective(attribution):
     assert np.all(np.asarray(new.loss_scale.scale) == 1.0)
 
 
+@pytest.mark.slow
 def test_shard_map_same_decision_everywhere():
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P

@@ -19,10 +19,13 @@ import tarfile
 import zipfile
 
 import pytest
+from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Slow (make test-fast leaves it out): an sdist and a wheel built, a virtual environment made.
+pytestmark = pytest.mark.slow
+
 PACKAGE = ROOT / "lossscale_jax"
 VERSION = lossscale_jax.__version__
 
@@ -104,9 +107,13 @@ def test_wheel_installs_and_runs_the_quick_start(dists, tmp_path):
     # to sys.path without processing the .pth files inside it, and the fresh environment's
     # own site-packages, holding the wheel, comes first.
     (site / "test_environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    # Nor does PYTHONPATH reach it: with the checkout on it (and the build's
+    # lossscale_jax.egg-info there), pip would call the wheel installed and skip it.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["JAX_PLATFORMS"] = "cpu"
     run(
         sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
-        "--no-cache-dir", "--disable-pip-version-check", "-q", dists["wheel"],
+        "--no-cache-dir", "--disable-pip-version-check", "-q", dists["wheel"], env=env,
     )  # fmt: skip
 
     script = tmp_path / "work" / "quick_start.py"
@@ -116,8 +123,6 @@ def test_wheel_installs_and_runs_the_quick_start(dists, tmp_path):
         "print('FILE', lossscale_jax.__file__)\n"
         "print('VERSION', lossscale_jax.__version__)\n" + quick_start()
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["JAX_PLATFORMS"] = "cpu"
     result = run(python, "-I", script, cwd=script.parent, env=env)
 
     installed = pathlib.Path(re.search(r"^FILE (.*)$", result.stdout, re.M)[1]).resolve()

@@ -12,18 +12,16 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from script_loader import import_benchmark  # tests/ is on sys.path under pytest
+from helpers import ROOT, assert_bits_equal, import_benchmark  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = Path(__file__).resolve().parent.parent
 # The benchmark's package (benchmarks/bench/): its HLO reader serves the tests below too.
 breakdowns = import_benchmark("breakdowns")
 cli = import_benchmark("cli")
@@ -33,23 +31,6 @@ prototypes = import_benchmark("prototypes")
 report = import_benchmark("report")
 variants = import_benchmark("variants")
 workloads = import_benchmark("workloads")
-
-
-def _bits(x) -> np.ndarray:
-    """The raw bits of an array (so -0.0 != 0.0 and nan payloads count)."""
-    a = np.asarray(x)
-    if a.dtype.kind == "f" or a.dtype == jnp.bfloat16:
-        return a.view(f"u{a.dtype.itemsize}")
-    return a
-
-
-def _assert_bitwise_equal(a, b) -> None:
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert np.asarray(x).dtype == np.asarray(y).dtype
-        np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
 def _params(rng: np.random.Generator, dtype) -> dict:
@@ -113,7 +94,7 @@ def test_fused_step_matches_optax_path_bit_for_bit(case):
             grads["b1"] = grads["b1"].at[3].set(bad)
         ref = optax_step(*ref, grads)
         out = fused_step(*out, grads)
-        _assert_bitwise_equal(out, ref)
+        assert_bits_equal(out, ref)
         skipped.append(bool(ref[1].loss_scale.last_skipped))
     # The comparison covered good steps and the skipped one.
     assert skipped == [False, False, True, False, False]
@@ -174,6 +155,7 @@ def _compile(fn, init, params, grads):
     return jax.jit(fn, donate_argnums=(0, 1)).lower(params, init(params), grads).compile()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ieee", "saturating"])
 def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
     rng = np.random.default_rng(2)
@@ -257,6 +239,7 @@ def test_hlo_reader_sees_a_whole_tree_select():
     assert hlo.reads(text, "grads['a']") >= 1
 
 
+@pytest.mark.slow
 def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     def instructions(n_leaves: int) -> int:
         params = {f"{i:03d}": jnp.ones((8 + i,), jnp.float32) for i in range(n_leaves)}
@@ -269,6 +252,7 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
 
 
+@pytest.mark.slow
 def test_benchmark_quick_run(tmp_path):
     """`benchmarks/bench_step.py --quick`: every variant, full and post step, stays finite
     with its loss scale unmoved (else the benchmark refuses it), and the table is written."""
@@ -301,6 +285,7 @@ def test_benchmark_quick_run(tmp_path):
     assert "| lsj_fused_ieee |" in table and (tmp_path / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tmp_path):
     """The compile-time breakdown: every piece compiles, the skeleton skips like the library
     (no update on an inf gradient), and its table lands in the marked block of a doc."""
@@ -325,7 +310,7 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     state = init(params)
     bad = dict(grads, **{"002": grads["002"].at[0, 0].set(jnp.inf)})
     kept, kept_state, flags = jax.jit(step)(params, state, bad)
-    _assert_bitwise_equal((kept, kept_state), (params, state))
+    assert_bits_equal((kept, kept_state), (params, state))
     assert np.asarray(flags).tolist() == [k == "002" for k in sorted(params)]
     moved, _, flags = jax.jit(step)(params, state, grads)
     assert not np.asarray(flags).any() and not np.array_equal(moved["000"], params["000"])
@@ -339,6 +324,7 @@ def test_benchmark_compile_report_builds_the_step_up_and_renders(monkeypatch, tm
     assert "old" not in text and "| skel_check_cond |" in text and text.endswith("after\n")
 
 
+@pytest.mark.slow
 def test_benchmark_command_renders_the_saved_run(tmp_path):
     """`python benchmarks/bench_step.py --render`, the one command run as a process, writes
     from results.json the results.md committed next to it, byte for byte."""
@@ -350,6 +336,7 @@ def test_benchmark_command_renders_the_saved_run(tmp_path):
     ).read_bytes()
 
 
+@pytest.mark.slow
 def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     """A skipped step's updates are -0.0 (params + updates keeps -0.0 parameters): the same
     compiled step, op for op and byte for byte, as with +0.0 (which would not keep them)."""
@@ -375,7 +362,7 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
         )
 
     negative, kept = compiled()
-    _assert_bitwise_equal(kept, params)  # -0.0 stays -0.0
+    assert_bits_equal(kept, params)  # -0.0 stays -0.0
     plus = _engine.skip_updates
     monkeypatch.setattr(
         _engine,
@@ -389,6 +376,7 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     assert mem_n.temp_size_in_bytes == mem_p.temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_benchmark_prototypes_still_trace_and_stay_finite():
     """Every variant outside the default run, the `proto_*` ones (the formulations
     docs/performance.md compares against) and the HeadroomScale steps, runs against the library
@@ -400,6 +388,7 @@ def test_benchmark_prototypes_still_trace_and_stay_finite():
     assert all(r["refused"] is None and r["conditionals"] == 1 for r in rows[1:]), rows
 
 
+@pytest.mark.slow
 def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
 

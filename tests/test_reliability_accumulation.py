@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import all_finite  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -31,14 +32,6 @@ def micro_grads(t, fault=None):
     return {k: jnp.asarray(v) for k, v in g.items()}
 
 
-def finite(tree):
-    return all(
-        bool(jnp.all(jnp.isfinite(x)))
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(x.dtype, jnp.floating)
-    )
-
-
 @functools.cache
 def jitted(mode):
     tx = lsj.loss_scaling_multi_steps(
@@ -57,7 +50,7 @@ def test_any_micro_batch_overflow_skips_the_window(mode):
             for j in range(K):
                 g = micro_grads(j, fault if j == bad_at else None)
                 updates, state = update(g, state, PARAMS)
-                assert finite(state), (fault, bad_at, j)  # the accumulator stays finite
+                assert all_finite(state), (fault, bad_at, j)  # the accumulator stays finite
                 assert not any(bool(jnp.any(u)) for u in jax.tree_util.tree_leaves(updates))
                 expected_scale = 2.0**10 if j < K - 1 else 2.0**9  # adjusted at the window end
                 assert float(state.loss_scale.scale) == expected_scale
@@ -95,11 +88,11 @@ def test_multisteps_accumulator_keeps_nan_after_the_window():
     state, update = tx.init(PARAMS), jax.jit(tx.update)
     for j in range(2 * K):  # one bad micro-batch, then a whole good window
         _, state = update(micro_grads(j, "inf" if j == 0 else None), state, PARAMS)
-    assert not finite(state.acc_grads)
+    assert not all_finite(state.acc_grads)
     assert int(state.inner_opt_state.loss_scale.skipped_steps) == 2  # the good window skipped
     tx2 = lsj.loss_scaling_multi_steps(optax.sgd(0.1), lsj.DynamicScale(), K)
     _, state2 = jax.jit(tx2.update)(micro_grads(0, "inf"), tx2.init(PARAMS), PARAMS)
-    assert finite(state2)
+    assert all_finite(state2)
 
 
 def test_the_other_nestings_are_refused():
@@ -221,6 +214,7 @@ def test_dtypes_and_non_float_leaves():
     assert np.asarray(updates["i"]).tolist() == [7, 7]  # passed through, not checked
 
 
+@pytest.mark.slow
 def test_axis_name_every_device_skips_the_window():
     n = 4
     tx = lsj.loss_scaling_multi_steps(

@@ -11,6 +11,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
+from helpers import assert_bits_equal  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
@@ -59,21 +60,12 @@ def run(step, params, opt_state, start, stop):
     return params, opt_state
 
 
-def assert_bit_identical(a, b):
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes()
-
-
 def save_orbax(path, tree):
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, tree)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend,name",
     # Orbax saves take seconds: the two nested forms cover the plain one.
@@ -95,12 +87,10 @@ def test_resume_is_bit_identical(backend, name, tmp_path):
         (tmp_path / "ckpt.msgpack").write_bytes(serialization.to_bytes(saved))
         restored = lsj.restore_flax(target, (tmp_path / "ckpt.msgpack").read_bytes())
         # The plain flax API restores the same thing (LossScaleState is registered).
-        assert_bit_identical(
-            restored, serialization.from_bytes(target, serialization.to_bytes(saved))
-        )
-    assert_bit_identical(restored, saved)
+        assert_bits_equal(restored, serialization.from_bytes(target, serialization.to_bytes(saved)))
+    assert_bits_equal(restored, saved)
     resumed = run(step, *restored, SAVE_AT, N_STEPS)
-    assert_bit_identical(resumed, full)
+    assert_bits_equal(resumed, full)
     assert len(traces) == 1  # a restored state runs through the same compiled step
 
 
@@ -140,7 +130,7 @@ def test_checkpoint_without_loss_scaling_is_named(tmp_path):
     # The way out the message gives works: restore the inner state, wrap it.
     inner = ocp.StandardCheckpointer().restore(tmp_path / "plain", target.inner_state)
     migrated = target._replace(inner_state=inner)
-    assert_bit_identical(migrated.inner_state, plain)
+    assert_bits_equal(migrated.inner_state, plain)
 
 
 def test_loss_scaled_checkpoint_into_plain_optimizer_is_named(tmp_path):

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import pytest
+from helpers import bits  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -104,11 +106,7 @@ def reference_step(grads, params, scale, mode, policy):
     return overflow, updates, np.float32(new_scale)
 
 
-def bits(x):
-    x = np.asarray(x)
-    return x.dtype, x.shape, x.tobytes()
-
-
+@pytest.mark.slow
 @settings(max_examples=14)
 @given(cases())
 def test_equals_reference_and_keeps_dtypes(case):
@@ -133,6 +131,7 @@ def test_equals_reference_and_keeps_dtypes(case):
         assert ls.last_overflow.dtype == jnp.bool_
 
 
+@pytest.mark.slow
 @settings(max_examples=8)
 @given(cases())
 def test_a_skipped_step_changes_only_the_loss_scale_state(case):

@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from soak import fault_soak
 
+# Slow (make test-fast leaves it out): the fault-injection soak, 1,500 steps per mode and policy.
+pytestmark = pytest.mark.slow
+
 STEPS = 1500
 
 

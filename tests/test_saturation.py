@@ -7,21 +7,18 @@ end, the same training on IEEE hardware.
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_script  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
-from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.testing import saturate, saturating
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 F16 = np.float16
 MAX16 = float(np.finfo(np.float16).max)  # 65504
 
@@ -367,6 +364,7 @@ def example():
     return _load_example()
 
 
+@pytest.mark.slow
 def test_ieee_check_misses_what_saturating_check_catches(example):
     """The same overflow (the initial scale of 2**24), seen by each check on each device."""
     (x, y), _ = example.make_data(1, 32)
@@ -391,6 +389,7 @@ def test_ieee_check_misses_what_saturating_check_catches(example):
         )
 
 
+@pytest.mark.slow
 def test_example_end_to_end(example, capsys):
     steps = 30
     results = example.main(steps=steps, batch=32)

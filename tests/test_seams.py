@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import serialization
+from helpers import replicate  # tests/ is on sys.path under pytest
 from jax.experimental import checkify
 
 import lossscale_jax as lsj
@@ -112,6 +113,7 @@ def test_multi_optimizer_refuses_pmap_without_its_axis():
     assert isinstance(info.value, lsj.errors.AxisError)
 
 
+@pytest.mark.slow
 def test_multi_optimizer_takes_one_decision_per_label_on_every_device():
     """Under pmap with axis_name, an overflow on one device skips that label everywhere."""
     n = 4
@@ -135,17 +137,13 @@ def test_multi_optimizer_takes_one_decision_per_label_on_every_device():
 # ------------------------------------------------------------------ 3. pmap-replicated state
 
 
-def _replicated(tx, params, n=2):
-    return jax.tree_util.tree_map(lambda x: np.stack([np.asarray(x)] * n), tx.init(params))
-
-
 @pytest.mark.parametrize(
     "policy,scale",
     [(lsj.StaticScale(8.0), 8.0), (lsj.NoScale(), 1.0), (lsj.DynamicScale(), 2.0**15)],
 )
 def test_switch_policy_on_a_replicated_state(policy, scale):
     params = {"w": jnp.zeros(2)}
-    state = _replicated(lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale()), params)
+    state = replicate(lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale()).init(params), 2)
     moved = lsj.switch_policy(state, policy)
     np.testing.assert_array_equal(np.asarray(moved.loss_scale.scale), [scale, scale])
     assert moved.loss_scale.scale.dtype == jnp.float32
@@ -154,7 +152,7 @@ def test_switch_policy_on_a_replicated_state(policy, scale):
 def test_checkpoint_policy_check_on_a_replicated_state():
     params = {"w": jnp.zeros(2)}
     tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=8.0))
-    state = _replicated(tx, params)
+    state = replicate(tx.init(params), 2)
     encoded = serialization.to_bytes(state)
     restored = lsj.restore_flax(state, encoded, policy=lsj.DynamicScale(init_scale=8.0))
     np.testing.assert_array_equal(np.asarray(restored.loss_scale.scale), [8.0, 8.0])
@@ -171,7 +169,9 @@ def test_checkpoint_policy_check_on_a_replicated_state():
 def test_orbax_policy_check_on_a_replicated_state(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params = {"w": jnp.zeros(2)}
-    state = _replicated(lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=8.0)), params)
+    state = replicate(
+        lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=8.0)).init(params), 2
+    )
     path = tmp_path / "ckpt"
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, state)
@@ -185,6 +185,7 @@ def test_orbax_policy_check_on_a_replicated_state(tmp_path):
 # ------------------------------------------------------------------ 4. accumulation checkpoints
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "saved_policy,new_policy",
     [
@@ -283,6 +284,7 @@ def _run(code: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 def test_import_loads_no_flax_orbax_or_matplotlib_until_used():
     out = _run(
         """
@@ -297,6 +299,7 @@ def test_import_loads_no_flax_orbax_or_matplotlib_until_used():
     assert out.splitlines() == ["[]", "True"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flax_first", [False, True])
 def test_flax_serialization_round_trips_whichever_is_imported_first(flax_first):
     out = _run(

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from script_loader import load_script  # tests/ is on sys.path under pytest
+from helpers import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 # fp16 + dynamic scaling must reach fp32's validation accuracy within this many points
 # (mean over the quick run's seeds; one validation sample is 0.22 points).
 ACCURACY_TOLERANCE = 0.02
@@ -37,6 +35,7 @@ def job(tmp_path_factory):
     return ex, out, result
 
 
+@pytest.mark.slow
 def test_quick_table_has_four_finite_rows(job, capsys):
     ex, out, result = job
     rows = result["rows"]
@@ -56,6 +55,7 @@ def test_quick_table_has_four_finite_rows(job, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.slow
 def test_quick_fp16_dynamic_matches_fp32(job):
     _, _, result = job
     rows = result["rows"]
@@ -63,6 +63,7 @@ def test_quick_fp16_dynamic_matches_fp32(job):
     assert abs(rows["fp16, dynamic"]["acc_mean"] - rows["fp32"]["acc_mean"]) <= ACCURACY_TOLERANCE
 
 
+@pytest.mark.slow
 def test_quick_counts_agree_with_the_histories(job):
     ex, _, result = job
     for name, runs in result["results"].items():
@@ -82,6 +83,7 @@ def test_quick_counts_agree_with_the_histories(job):
             assert all(r["nonzero"] > 0 for r in runs)  # probed
 
 
+@pytest.mark.slow
 def test_underflow_probe_against_numpy():
     """The probe's count equals a NumPy count over gradients taken separately."""
     ex = load()

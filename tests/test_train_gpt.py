@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_script  # tests/ is on sys.path under pytest
 from reference_scalers import ReferenceDynamic  # tests/ is on sys.path under pytest
-from script_loader import load_script  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEYS = {
     "setting",
     "config",
@@ -50,6 +48,7 @@ def _rows(result, setting, config):
     return [r for r in result["rows"] if (r["setting"], r["config"]) == (setting, config)]
 
 
+@pytest.mark.slow
 def test_quick_json_rows_follow_the_schema(job):
     ex, out, result = job
     rows = json.loads((out / "gpt_results.json").read_text())
@@ -78,6 +77,7 @@ def test_quick_json_rows_follow_the_schema(job):
             assert sorted(r["seed"] for r in _rows(result, setting, config.name)) == [0, 1]
 
 
+@pytest.mark.slow
 def test_quick_writes_table_plot_and_samples(job):
     ex, out, result = job
     table = (out / "gpt_table.md").read_text()
@@ -98,6 +98,7 @@ def test_quick_writes_table_plot_and_samples(job):
             assert set(text) <= vocab
 
 
+@pytest.mark.slow
 def test_quick_unscaled_fp16_loses_the_update_setting_gradients(job):
     """update_2^19: unscaled float16 loses a large share of the gradient, scaled ones do not.
 
@@ -117,6 +118,7 @@ def test_quick_unscaled_fp16_loses_the_update_setting_gradients(job):
         assert _rows(result, "mean", "fp16")[seed]["lost_fraction"] < 0.005
 
 
+@pytest.mark.slow
 def test_quick_losses_follow_what_float16_lost(job):
     """Scaled float16 tracks float32; unscaled float16 in update_2^19 falls behind.
 
@@ -134,6 +136,7 @@ def test_quick_losses_follow_what_float16_lost(job):
         assert _rows(result, "update_2^19", "fp16")[seed]["val_loss"] > ref["update_2^19"] + 0.2
 
 
+@pytest.mark.slow
 def test_quick_counts_agree_with_the_histories(job):
     ex, _, result = job
     steps = result["job"]["steps"]
@@ -168,6 +171,7 @@ def test_quick_counts_agree_with_the_histories(job):
                 assert row["final_scale"] == want and skipped == 0
 
 
+@pytest.mark.slow
 def test_quick_headroom_reads_the_ceiling_without_probing(job):
     """HeadroomScale jumps to its target on the first step and does not overflow to find it.
 
@@ -189,6 +193,7 @@ def test_quick_headroom_reads_the_ceiling_without_probing(job):
             assert _rows(result, setting, "fp16_headroom")[seed]["skipped_fraction"] == 0.0
 
 
+@pytest.mark.slow
 def test_underflow_probe_against_numpy(job):
     """The job's first probe (update_2^19, seed 0, fp16) equals a NumPy count.
 
@@ -237,6 +242,7 @@ def test_bad_flags_are_rejected():
             ex.parse_args(argv)
 
 
+@pytest.mark.slow
 def test_quick_prints_and_saves_the_diagnosis(job):
     """The diagnosis before training: printed, saved as text and picture, and in agreement
     with the job's own underflow probe of its first step."""

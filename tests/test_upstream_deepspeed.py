@@ -24,6 +24,9 @@ import pytest
 import lossscale_jax as lsj
 from lossscale_jax import compat
 
+# Slow (make test-fast leaves it out): a port of the peer's own tests, several seconds in all.
+pytestmark = pytest.mark.slow
+
 PARAMS = {"w": jnp.zeros((1, 1), jnp.float32), "b": jnp.zeros((1,), jnp.float32)}  # SimpleModel(1)
 
 

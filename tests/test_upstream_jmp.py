@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from port_utils import run  # noqa: I001  (tests/ is on sys.path under pytest)
+from helpers import run_policy  # noqa: I001  (tests/ is on sys.path under pytest)
 
 import lossscale_jax as lsj
 from lossscale_jax import compat
@@ -94,13 +94,13 @@ def test_dynamic_loss_scale_adjust_increases_on_finite(period, factor):
     # Upstream: test_dynamic_loss_scale_adjust_increases_on_finite.
     policy = compat.jmp.DynamicLossScale(jnp.float32(10), jnp.int32(0), period, factor)
     assert policy.growth_interval == period and policy.growth_factor == factor
-    _, steps = run(policy, [False] * period)
+    steps = run_policy(policy, [False] * period)
     for i in range(1, period):
-        assert steps["scale"][i - 1] == 10
-        assert steps["growth_count"][i - 1] == i
+        assert steps.scale[i - 1] == 10
+        assert steps.growth_count[i - 1] == i
     # Loss scale should wrap.
-    assert steps["scale"][-1] == 10 * factor
-    assert steps["growth_count"][-1] == 0
+    assert steps.scale[-1] == 10 * factor
+    assert steps.growth_count[-1] == 0
 
 
 # Upstream's own expressions (a float32 divided by 3**100) overflow NumPy's cast; as upstream.
@@ -114,10 +114,10 @@ def test_dynamic_loss_scale_adjust_reduce_on_non_finite(period, factor):
     init = np.float32(10)
     policy = compat.jmp.DynamicLossScale(jnp.asarray(init), jnp.int32(0), period, factor)
     assert init / (factor**100) < 1  # should cover max(1, S)
-    _, steps = run(policy, [True] * 100)
+    steps = run_policy(policy, [True] * 100)
     for i in range(100):
-        np.testing.assert_allclose(steps["scale"][i], max(1, init / (factor ** (i + 1))), rtol=1e-5)
-        assert steps["growth_count"][i] == 0
+        np.testing.assert_allclose(steps.scale[i], max(1, init / (factor ** (i + 1))), rtol=1e-5)
+        assert steps.growth_count[i] == 0
 
 
 @_CAST
@@ -132,12 +132,12 @@ def test_dynamic_loss_scale_explicit_min_loss_scale(period, factor, min_loss_sca
         jnp.asarray(init), jnp.int32(0), period, factor, jnp.asarray(min_loss_scale)
     )
     assert init / (factor**100) < 1  # should cover max(1, S)
-    _, steps = run(policy, [True] * 100)
+    steps = run_policy(policy, [True] * 100)
     for i in range(100):
         np.testing.assert_allclose(
-            steps["scale"][i], max(min_loss_scale, init / (factor ** (i + 1))), rtol=1e-5
+            steps.scale[i], max(min_loss_scale, init / (factor ** (i + 1))), rtol=1e-5
         )
-        assert steps["growth_count"][i] == 0
+        assert steps.growth_count[i] == 0
     assert policy.growth_interval == period and policy.growth_factor == factor
 
 

@@ -21,6 +21,9 @@ from reference_scalers import MindSporeDynamicLossScaleUpdateCell  # noqa: I001
 import lossscale_jax as lsj
 from lossscale_jax import compat
 
+# Slow (make test-fast leaves it out): a port of the peer's own tests, several seconds in all.
+pytestmark = pytest.mark.slow
+
 F32_MAX = float(np.finfo(np.float32).max)
 INPUTS = jnp.ones((16, 16), jnp.float32)
 LABEL = jnp.zeros((16, 16), jnp.float32)

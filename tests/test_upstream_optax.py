@@ -21,6 +21,9 @@ import pytest
 
 import lossscale_jax as lsj
 
+# Slow (make test-fast leaves it out): a port of the peer's own tests, several seconds in all.
+pytestmark = pytest.mark.slow
+
 
 def _build_sgd():
     return optax.sgd(1.0)

@@ -19,10 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from port_utils import scales  # noqa: I001  (tests/ is on sys.path under pytest)
+from helpers import run_policy  # noqa: I001  (tests/ is on sys.path under pytest)
 
 import lossscale_jax as lsj
 from lossscale_jax import compat
+
+# Slow (make test-fast leaves it out): a port of the peer's own tests, several seconds in all.
+pytestmark = pytest.mark.slow
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -36,7 +39,7 @@ def test_fixed_loss_scale_manager_basic():
     inputs = [True] * 10 + [False] * 10
     loss_scale = 1000
     lsm = compat.npu.FixedLossScaleManager(loss_scale)
-    got = scales(lsm, np.logical_not(inputs[:10]))
+    got = run_policy(lsm, np.logical_not(inputs[:10])).scale
     assert got.tolist() == [loss_scale] * 10
 
 
@@ -50,7 +53,7 @@ def _exponential(inputs, init_loss_scale=1, incr_every_n_step=2, decr_every_n_na
         incr_ratio=ratio,
         decr_ratio=1.0 / ratio,
     )
-    return scales(lsm, np.logical_not(inputs)).tolist()
+    return run_policy(lsm, np.logical_not(inputs)).scale.tolist()
 
 
 CASES = {

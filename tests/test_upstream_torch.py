@@ -25,6 +25,10 @@ import pytest
 import lossscale_jax as lsj
 from lossscale_jax import compat
 
+# Slow (make test-fast leaves it out): torch's GradScaler tests train small models, about 1.5 s
+# each.
+pytestmark = pytest.mark.slow
+
 # --------------------------------------------------------------------------
 # The scaler's kernels.
 

@@ -1,0 +1,150 @@
+"""Code the test files share (tests/ is on sys.path under pytest: ``from helpers import ...``).
+
+Comparing pytrees bit for bit or by value, finiteness, copies for ``pmap``, a loss-scale
+policy run over a sequence of overflow flags, and the repository's scripts and the
+benchmark's package as modules. The reference models of the peers' scalers are not helpers:
+they live in ``reference_scalers.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import pathlib
+import sys
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+"""The repository's root."""
+
+# --------------------------------------------------------------------------
+# Comparing pytrees.
+
+
+def _leaf_bits(x: Any) -> tuple:
+    a = np.asarray(x)
+    return a.dtype, a.shape, a.tobytes()
+
+
+def bits(tree: Any) -> Any:
+    """Every leaf as ``(dtype, shape, bytes)``: equal means bit-identical, ``-0.0`` and NaN
+    payloads included (a single array gives one such tuple)."""
+    return jax.tree_util.tree_map(_leaf_bits, tree)
+
+
+def assert_bits_equal(a: Any, b: Any, what: str = "") -> None:
+    """``a`` and ``b`` have one tree structure, and each leaf the same dtype, shape and bytes."""
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"{what}: tree structures differ: {ta} vs {tb}"
+    for (path, x), y in zip(la, lb, strict=True):
+        assert _leaf_bits(x) == _leaf_bits(y), (
+            f"{what}: leaf {jax.tree_util.keystr(path)} differs: {x!r} vs {y!r}"
+        )
+
+
+def assert_trees_equal(a: Any, b: Any, what: str = "") -> None:
+    """One tree structure, each leaf the same dtype and shape and equal values (NaN equals
+    NaN, ``-0.0`` equals ``0.0``; :func:`assert_bits_equal` tells those apart)."""
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"{what}: tree structures differ: {ta} vs {tb}"
+    for (path, x), y in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        where = f"{what}: leaf {jax.tree_util.keystr(path)}"
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), (where, x.dtype, x.shape, y.dtype, y.shape)
+        np.testing.assert_array_equal(x, y, err_msg=where)
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every element of every floating-point leaf is finite (other leaves pass)."""
+    return all(
+        bool(np.all(np.isfinite(np.asarray(x))))
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact)
+    )
+
+
+# --------------------------------------------------------------------------
+# Devices (conftest.py gives the tests 8 CPU devices).
+
+
+def replicate(tree: Any, n: int) -> Any:
+    """Host copies with a leading axis of ``n`` (what ``pmap`` takes as a replicated input)."""
+    return jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))), tree)
+
+
+def assert_same_on_every_device(tree: Any, n: int) -> None:
+    """Every leaf has a leading device axis of ``n`` whose slices are bit-identical."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        a = np.asarray(leaf)
+        assert a.shape[0] == n, (jax.tree_util.keystr(path), a.shape)
+        for d in range(1, n):
+            assert a[d].tobytes() == a[0].tobytes(), (
+                f"{jax.tree_util.keystr(path)} differs between device 0 and device {d}: "
+                f"{a[0]!r} vs {a[d]!r}"
+            )
+
+
+# --------------------------------------------------------------------------
+# A policy over a sequence of overflow flags.
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scan_policy(policy, state, flags):
+    def body(s, f):
+        s = policy.adjust(s, f)
+        return s, s
+
+    return jax.lax.scan(body, state, flags)[1]
+
+
+def run_policy(policy, flags, state=None) -> Any:
+    """The states of ``policy.adjust`` over ``flags`` (True = overflow), starting from
+    ``state`` (``policy.init()`` where None).
+
+    One state whose fields are NumPy arrays with the step on the leading axis:
+    ``states.scale[t]`` is the scale after step ``t``, ``states.scale[-1]`` the final one.
+    One compile per policy (it must be hashable) and sequence length.
+    """
+    state = policy.init() if state is None else state
+    states = _scan_policy(policy, state, jnp.asarray(np.asarray(flags, bool)))
+    return jax.tree_util.tree_map(np.asarray, states)
+
+
+# --------------------------------------------------------------------------
+# The repository's scripts as modules.
+
+
+@functools.cache
+def load_script(relative_path: str) -> ModuleType:
+    """The script at ``ROOT / relative_path``, imported once per test process.
+
+    It is registered in ``sys.modules`` under ``script_<stem>`` before it runs: Flax modules
+    are dataclasses, which look their own module up while the class is being made.
+    """
+    path = ROOT / relative_path
+    name = f"script_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def import_benchmark(module: str) -> ModuleType:
+    """``bench.<module>``, a module of the benchmark's package (benchmarks/bench/).
+
+    ``benchmarks/`` goes on ``sys.path`` as ``python benchmarks/bench_step.py`` puts it there.
+    """
+    path = str(ROOT / "benchmarks")
+    if path not in sys.path:
+        sys.path.append(path)
+    return importlib.import_module(f"bench.{module}")
