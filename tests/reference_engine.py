@@ -276,10 +276,7 @@ class Reference:
         self.mode, self.k, self.limit = mode, every_k, limit
         self.params = [np.array(p) for p in params]
         self.groups = groups or [list(range(len(params)))]
-        self.inner = [
-            Inner(0, [np.zeros(p.shape, p.dtype) for p in params])
-            for _ in self.groups
-        ]
+        self.inner = [Inner(0, [np.zeros(p.shape, p.dtype) for p in params]) for _ in self.groups]
         self.ls = initial(policy)
         self.record = np.zeros(len(params), bool)
         self.mini_step = 0
