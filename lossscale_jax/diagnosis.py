@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale_jax import _diagnosis_report as _report
 from lossscale_jax import _upcast, numerics
 from lossscale_jax._check import is_float
 from lossscale_jax._diagnosis_report import (
@@ -28,6 +29,11 @@ from lossscale_jax._diagnosis_report import (
     LeafDiagnosis,
     summarize,
 )
+
+# The verdicts and the histogram's range, importable from here as before the split.
+LOG2_MAX = _report.LOG2_MAX
+NO_SCALING, SCALE_NEEDED = _report.NO_SCALING, _report.SCALE_NEEDED
+OVERFLOWS, UNDERFLOWS = _report.OVERFLOWS, _report.UNDERFLOWS
 
 __all__ = ["Diagnosis", "LeafDiagnosis", "diagnose"]
 

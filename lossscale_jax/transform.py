@@ -20,13 +20,21 @@ from lossscale_jax._access import (
     switch_policy,
 )
 from lossscale_jax._devices import AxisName, reduce_overflow
-from lossscale_jax._engine import Engine, EngineUpdate, check_state, inner_or_skip
+from lossscale_jax._engine import (
+    ATTRIBUTIONS,
+    Engine,
+    EngineUpdate,
+    check_state,
+    inner_or_skip,
+    validate_attribution,
+)
 from lossscale_jax._metrics import metrics, overflowed_leaves
 from lossscale_jax._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax._opt_states import LossScalingState
 from lossscale_jax.policies import LossScalePolicy
 
 __all__ = [
+    "ATTRIBUTIONS",
     "AxisName",
     "LossScalingState",
     "get_loss_scale_state",
@@ -37,6 +45,7 @@ __all__ = [
     "scale_loss",
     "set_loss_scale_state",
     "switch_policy",
+    "validate_attribution",
 ]
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 
 import pytest
@@ -112,3 +113,106 @@ def test_optional_packages_are_imported_only_where_needed(package, allowed):
             if any(h == package or h.startswith(package + ".") for h in hits):
                 users.add(name)
     assert users <= allowed, sorted(users - allowed)
+
+
+# Every name a public module defined (without a leading underscore) before the package was
+# split by responsibility: each still resolves where it was (lsj.__all__ besides).
+NAMES_BEFORE_THE_SPLIT = {
+    "lossscale_jax.accumulation": ["LossScalingMultiStepsState", "loss_scaling_multi_steps"],
+    "lossscale_jax.checkpoint": ["check_checkpoint", "restore_flax", "restore_orbax"],
+    "lossscale_jax.compat.apex": ["LossScaler", "update_scale_hysteresis"],
+    "lossscale_jax.compat.cstorch": ["GradScaler", "optimizer_step"],
+    "lossscale_jax.compat.deepspeed": [
+        "DynamicLossScaler",
+        "FP16_Optimizer",
+        "FP16_UnfusedOptimizer",
+        "export_fp16_optimizer_state",
+        "export_state",
+        "fp16_optimizer_policy",
+        "import_fp16_optimizer_state",
+        "import_state",
+    ],
+    "lossscale_jax.compat.flax": ["DynamicScale", "export_state", "import_state"],
+    "lossscale_jax.compat.jmp": [
+        "DynamicLossScale",
+        "NoOpLossScale",
+        "StaticLossScale",
+        "export_state",
+        "import_state",
+    ],
+    "lossscale_jax.compat.keras": ["LossScaleOptimizer", "export_state", "import_state", "policy"],
+    "lossscale_jax.compat.megatron": [
+        "ConstantGradScaler",
+        "DynamicGradScaler",
+        "export_state",
+        "import_state",
+    ],
+    "lossscale_jax.compat.mindspore": ["DynamicLossScaleManager", "FixedLossScaleManager"],
+    "lossscale_jax.compat.npu": [
+        "ExponentialUpdateLossScaleManager",
+        "FixedLossScaleManager",
+        "NPULossScaleOptimizer",
+    ],
+    "lossscale_jax.compat.torch": ["GradScaler", "export_state", "import_state", "multi_optimizer"],
+    "lossscale_jax.diagnosis": [
+        "Diagnosis",
+        "LOG2_MAX",
+        "LOG2_MIN",
+        "LeafDiagnosis",
+        "NOISE",
+        "NO_SCALING",
+        "OVERFLOWS",
+        "SCALE_NEEDED",
+        "UNDERFLOWS",
+        "diagnose",
+    ],
+    "lossscale_jax.flax_utils": ["LossScaleOptimizer", "TrainState"],
+    "lossscale_jax.fused": ["apply_gradients"],
+    "lossscale_jax.numerics": [
+        "COMPUTE_DTYPES",
+        "OVERFLOW_MODES",
+        "OverflowMode",
+        "at_least_float32",
+        "check_overflow",
+        "check_overflow_and_range",
+        "overflow_flags",
+        "unscale",
+        "unscale_and_check",
+        "validate_compute_dtype",
+        "validate_overflow_mode",
+    ],
+    "lossscale_jax.policies": [
+        "DynamicScale",
+        "HeadroomScale",
+        "LossScalePolicy",
+        "LossScaleState",
+        "NoScale",
+        "RECENT_STEPS",
+        "StaticScale",
+        "TolerantDynamicScale",
+        "initial_state",
+    ],
+    "lossscale_jax.stuck": ["ON_STUCK", "STUCK_MESSAGE", "check_stuck", "validate_on_stuck"],
+    "lossscale_jax.testing": ["saturate", "saturating"],
+    "lossscale_jax.transform": [
+        "ATTRIBUTIONS",
+        "AxisName",
+        "LossScalingState",
+        "get_loss_scale_state",
+        "loss_scaling",
+        "metrics",
+        "overflowed_leaves",
+        "reduce_overflow",
+        "scale_loss",
+        "set_loss_scale_state",
+        "switch_policy",
+        "validate_attribution",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(NAMES_BEFORE_THE_SPLIT))
+def test_public_names_are_where_they_were(module):
+    mod = importlib.import_module(module)
+    missing = [n for n in NAMES_BEFORE_THE_SPLIT[module] if not hasattr(mod, n)]
+    assert not missing, f"{module} lost {missing}"
