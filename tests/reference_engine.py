@@ -26,11 +26,11 @@ The inner transformation is ``counting_sgd``'s rule: ``updates = g * -0.5`` (in 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from reference_scalers import ReferenceHeadroom  # tests/ is on sys.path under pytest
 
 F32 = np.float32
 I32_MAX = int(np.iinfo(np.int32).max)
@@ -188,15 +188,6 @@ def tolerant_dynamic_scale(p, s: LossScale, overflow: bool, amax) -> None:
     s.record(overflow, overflow, stuck)
 
 
-def _target(peak: np.float32, margin: int) -> np.float32:
-    with np.errstate(divide="ignore", over="ignore"):
-        inv = F32(1.0) / F32(peak)
-    if not np.isfinite(inv):
-        return F32(np.inf)
-    e = int(np.frexp(inv)[1]) - 1 - int(margin)
-    return F32(math.ldexp(1.0, e)) if e < 128 else F32(np.inf)
-
-
 def headroom_scale(p, s: LossScale, overflow: bool, amax: np.float32) -> None:
     """``HeadroomScale``'s docstring rule."""
     scale = s.scale
@@ -212,13 +203,13 @@ def headroom_scale(p, s: LossScale, overflow: bool, amax: np.float32) -> None:
                 margin += 1
             else:
                 peak = max(peak, f32(F32(1.0) / scale))
-            new = min(f32(scale * F32(0.5)), _target(peak, margin))
+            new = min(f32(scale * F32(0.5)), ReferenceHeadroom.target(peak, margin))
     else:
         peak = max(amax, f32(peak * F32(p.decay)))
         growth = sat_inc(s.growth_count)
         if growth >= p.margin_interval and margin > p.min_margin:
             margin, growth = margin - 1, 0
-        new = _target(peak, margin) if peak > 0 else f32(scale * F32(2.0))
+        new = ReferenceHeadroom.target(peak, margin) if peak > 0 else f32(scale * F32(2.0))
     stuck = overflow and scale <= F32(p.min_scale)
     s.scale = _clip(new, p.min_scale, p.max_scale)
     s.growth_count, s.hysteresis_count, s.range_peak, s.margin = growth, 0, peak, margin
