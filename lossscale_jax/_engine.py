@@ -27,7 +27,7 @@ import optax
 
 from lossscale_jax import _check, _devices, stuck
 from lossscale_jax._state import LossScaleState
-from lossscale_jax._unscale import scale_is_bad, unscale_tree, valid_scale
+from lossscale_jax._unscale import scale_is_bad, unscale_tree
 from lossscale_jax.errors import StructureError
 from lossscale_jax.policies._base import LossScalePolicy, check_policy
 
@@ -204,7 +204,7 @@ class Engine:
     @staticmethod
     def unscale(grads: Any, scale: jax.Array, params: Any = None) -> Any:
         """``grads / scale`` in float32 at least, in the parameters' dtypes."""
-        return unscale_tree(grads, valid_scale(scale), params)
+        return unscale_tree(grads, scale, params)  # which validates the scale itself
 
 
 def skip_updates(shapes: Any) -> Any:
