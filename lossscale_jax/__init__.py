@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lossscale_jax import _flax_serialization, errors, testing
+from lossscale_jax import _flax_serialization, errors, taps, testing
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
 from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orbax
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, diagnose
@@ -30,6 +30,7 @@ from lossscale_jax.policies import (
     StaticScale,
     TolerantDynamicScale,
 )
+from lossscale_jax.taps import TapStats, tap
 from lossscale_jax.transform import (
     LossScalingState,
     get_loss_scale_state,
@@ -87,6 +88,7 @@ __all__ = [
     "LossScalingState",
     "NoScale",
     "StaticScale",
+    "TapStats",
     "TolerantDynamicScale",
     "TrainState",
     "__version__",
@@ -108,6 +110,8 @@ __all__ = [
     "scale_loss",
     "set_loss_scale_state",
     "switch_policy",
+    "tap",
+    "taps",
     "testing",
     "unscale",
     "unscale_and_check",

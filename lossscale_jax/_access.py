@@ -16,6 +16,7 @@ from jax.typing import ArrayLike
 from lossscale_jax._check import at_least_float32
 from lossscale_jax._nesting import locate
 from lossscale_jax._state import LossScaleState, is_loss_scale_state
+from lossscale_jax._tapping import tap_array
 from lossscale_jax.policies._base import LossScalePolicy, check_policy
 
 
@@ -190,6 +191,11 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
 
       scaled = loss * scale          # in float32 at least
 
+    Inside ``lsj.taps.value_and_grad`` (or ``lsj.taps.recording``) the loss is
+    tapped first, as ``"loss"``: its cotangent is the scale itself, in the loss's
+    dtype, so a float16 loss shows the ceiling (2**16 overflows it) that no
+    parameter gradient shows. Elsewhere nothing is added to the program.
+
     Args:
       loss: a floating scalar (the loss to differentiate).
       state: an optimizer state holding a ``LossScaleState`` (see
@@ -224,4 +230,5 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
             f"loss must be a scalar, got shape {loss.shape}; reduce it (e.g. mean) first."
         )
     dtype = at_least_float32(loss.dtype)
+    loss = jnp.asarray(tap_array(loss, "loss"))  # the identity unless taps are recorded
     return loss.astype(dtype) * scale.astype(dtype)

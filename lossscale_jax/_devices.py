@@ -261,7 +261,7 @@ def cond(pred: jax.Array, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
     def matched(f: Any) -> Any:
         def branch(*ops: Any) -> Any:
             return jax.tree_util.tree_map(
-                lambda x, axes: _pcast_to(x, axes), f(*ops), want, is_leaf=lambda x: x is None
+                lambda x, axes: pcast_to(x, axes), f(*ops), want, is_leaf=lambda x: x is None
             )
 
         return branch
@@ -269,7 +269,8 @@ def cond(pred: jax.Array, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
     return lax.cond(pred, matched(true_fun), matched(false_fun), *operands)
 
 
-def _pcast_to(x: Any, axes: frozenset) -> Any:
+def pcast_to(x: Any, axes: frozenset) -> Any:
+    """``x`` made varying over the manual ``axes`` it does not vary over yet."""
     if x is None:
         return x
     have = varying_axes(jax.typeof(x)) or frozenset()

@@ -27,8 +27,9 @@ import optax
 
 from lossscale_jax import _check, _devices, stuck
 from lossscale_jax._state import LossScaleState
+from lossscale_jax._tap_stats import WIDTH, TapStats
 from lossscale_jax._unscale import scale_is_bad, unscale_tree
-from lossscale_jax.errors import StructureError
+from lossscale_jax.errors import StructureError, TapError
 from lossscale_jax.policies._base import LossScalePolicy, check_policy
 
 ATTRIBUTIONS: tuple[str | None, ...] = ("reduced", "local", None)
@@ -121,6 +122,7 @@ class Engine:
         record: jax.Array | None,
         *,
         reduce_flags: bool = False,
+        taps: TapStats | None = None,
     ) -> Check:
         """The overflow check of ``grads`` (scaled), reduced over ``axis_name``.
 
@@ -130,6 +132,9 @@ class Engine:
           flags = one overflow flag per leaf          # one read of each gradient
           found = any(flags) or not (scale finite and > 0)
           amax = max |grads| / (scale * finfo(compute_dtype).max)   # if policy.measures_range
+          if taps:                                    # the activation gradients' statistics
+              found = found or taps.overflow(mode)   # an inf/nan in a tapped cotangent
+              amax = max(amax, taps.range_fraction(scale))   # each against its dtype's max
           found, amax, flags = (any, max, any) over axis_name       # one all-reduce
             (flags travel in it with attribution="reduced", or when reduce_flags)
 
@@ -145,6 +150,8 @@ class Engine:
         else:
             flags = _check.leaf_vector(grads, self.mode, self.compute_dtype)
         found = jnp.logical_or(jnp.any(flags), scale_is_bad(scale))
+        if taps is not None:
+            found, amax = self._with_taps(taps, scale, found, amax)
         if record is not None and record.shape[-1:] != flags.shape:
             raise StructureError(
                 f"the gradients have {flags.shape[0]} leaves but the optimizer state's "
@@ -160,6 +167,25 @@ class Engine:
         if shared:
             flags = reduced
         return Check(found, flags if keep else None, amax)
+
+    def _with_taps(
+        self, taps: Any, scale: jax.Array, found: jax.Array, amax: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        if not isinstance(taps, TapStats):
+            raise TapError(
+                f"{self.where}: taps must be the TapStats lsj.taps.value_and_grad returns, "
+                f"got {type(taps).__name__}."
+            )
+        if any(jnp.shape(v) != (WIDTH,) for v in taps.values):
+            raise TapError(
+                f"{self.where}: each tap's statistics must be a ({WIDTH},) vector (one "
+                "device's, inside the mapped step), got shapes "
+                f"{sorted({jnp.shape(v) for v in taps.values})}."
+            )
+        found = jnp.logical_or(found, taps.overflow(self.mode))
+        if amax is not None:
+            amax = jnp.maximum(amax, taps.range_fraction(scale))
+        return found, amax
 
     @staticmethod
     def fold(window: Check, this: Check) -> Check:

@@ -166,7 +166,8 @@ def loss_scaling_multi_steps(
         scale = state.loss_scale.scale
         # This micro-batch's check, reduced over axis_name (one collective), then folded
         # into the window's: both are the same on every device.
-        this = engine.check(updates, scale, state.window_leaf_overflow)
+        taps = extra_args.pop("taps", None)  # this micro-batch's; folded like its flags
+        this = engine.check(updates, scale, state.window_leaf_overflow, taps=taps)
         so_far = Check(
             state.window_overflow,
             state.window_leaf_overflow,

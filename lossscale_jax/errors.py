@@ -28,6 +28,7 @@ __all__ = [
     "NotAPolicyError",
     "StateNotFoundError",
     "StructureError",
+    "TapError",
 ]
 
 
@@ -70,3 +71,8 @@ class CheckpointVersionError(CheckpointError):
 
 class CheckpointPolicyError(CheckpointError):
     """A checkpoint's loss-scale state that the policy given to restore would not hold."""
+
+
+class TapError(LossScalingError, ValueError):
+    """Taps used wrongly: sinks that do not match the taps a function meets, taps handed to a
+    transformation that cannot read them, or a tap name that is not a non-empty string."""

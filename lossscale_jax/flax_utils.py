@@ -152,12 +152,14 @@ class TrainState(train_state.TrainState):
     count_skipped_steps: bool = struct.field(pytree_node=False, default=False)
     rollback_on_skip: bool = struct.field(pytree_node=False, default=True)
 
-    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+    def apply_gradients(self, *, grads: Any, taps: Any = None, **kwargs: Any) -> TrainState:
         """Applies the (scaled) gradients; ``step`` counts applied updates.
 
         Args:
           grads: gradients of ``lsj.scale_loss(loss, state.opt_state)``, same
             structure as ``params``.
+          taps: the ``TapStats`` of the backward pass (``lsj.taps.value_and_grad``),
+            read by the overflow check (see ``loss_scaling``); ``None``: none.
           **kwargs: other fields to replace, e.g. ``batch_stats`` from the
             forward pass; rolled back when the call's collections are
             discarded and ``rollback_on_skip``.
@@ -165,7 +167,10 @@ class TrainState(train_state.TrainState):
         Returns:
           The new state.
         """
-        new_params, new_opt_state, outcome = _apply(self.tx, grads, self.opt_state, self.params)
+        extra = {} if taps is None else {"taps": taps}
+        new_params, new_opt_state, outcome = _apply(
+            self.tx, grads, self.opt_state, self.params, **extra
+        )
         if self.rollback_on_skip:
             pytree_fields = {
                 f.name
@@ -287,7 +292,8 @@ class LossScaleOptimizer(nnx.Optimizer[Any]):
           grads: gradients of ``lsj.scale_loss(loss, opt.opt_state)`` from ``nnx.grad``.
           rollback: ``opt.snapshot(model)`` taken before the forward pass, restored
             when the call's collections are discarded; ``None`` restores nothing.
-          **kwargs: extra arguments for ``tx.update``.
+          **kwargs: extra arguments for ``tx.update`` (``taps=``: the ``TapStats``
+            of the backward pass, read by the overflow check).
 
         Returns:
           The new parameters (``wrt`` filtered), as pure arrays.

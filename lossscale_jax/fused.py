@@ -48,7 +48,11 @@ def apply_gradients(
       grads: the gradients of ``scale_loss(loss, opt_state)``.
       opt_state: ``tx``'s state.
       params: the parameters (e.g. float32 master weights).
-      **extra_args: passed to the inner transformation's ``update``.
+      **extra_args: passed to the inner transformation's ``update``, except
+        ``taps=``: the ``TapStats`` of the backward pass
+        (``lsj.taps.value_and_grad``), which the check reads (an inf or nan in a
+        tapped cotangent is an overflow; ``HeadroomScale`` keeps room for the range
+        they show).
 
     Returns:
       ``(new_params, new_opt_state)``.
@@ -80,7 +84,8 @@ def apply_gradients(
     engine, inner = built.engine, built.inner
     state = check_state(opt_state, LossScalingState, "apply_gradients")
     scale = state.loss_scale.scale
-    check = engine.check(grads, scale, state.leaf_overflow)
+    taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them
+    check = engine.check(grads, scale, state.leaf_overflow, taps=taps)
     loss_scale, apply = engine.decide(state.loss_scale, check)
 
     # ``neg_zero`` is -0.0 whenever the good branch runs, but XLA cannot know

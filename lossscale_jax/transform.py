@@ -81,6 +81,13 @@ def loss_scaling(
     ``params`` (``-0.0`` parameters included). A scale in the state that is
     not finite and > 0 (a corrupted checkpoint) counts as an overflow.
 
+    ``update`` also takes ``taps=``, the ``TapStats`` of the backward pass
+    (``lsj.taps.value_and_grad``): an inf or nan in a tapped cotangent (the loss,
+    an activation) counts as an overflow, and a policy that measures the range
+    (``HeadroomScale``) keeps room for the taps' range too, reduced over
+    ``axis_name`` in the flag's own collective. The inner transformation does not
+    see them.
+
     ``loss_scaling`` must be the outermost transformation: put clipping,
     schedules, masks and weight decay inside it (they then see unscaled
     gradients and do not run on skipped steps). Wrapping it in another
@@ -181,7 +188,8 @@ def loss_scaling(
         # results); the unscale happens inside the conditional, fused with the inner
         # update (no unscaled copy is written to memory).
         scale = state.loss_scale.scale
-        check = engine.check(updates, scale, state.leaf_overflow)
+        taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them
+        check = engine.check(updates, scale, state.leaf_overflow, taps=taps)
         loss_scale, apply = engine.decide(state.loss_scale, check)
 
         def inner_update(g: Any, inner_state: Any) -> Any:

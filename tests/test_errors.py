@@ -686,6 +686,94 @@ CASES += [
 ]
 
 
+def _sinks_for_a():
+    return lsj.taps.discover(lambda w: lsj.tap(w, "a"), 1.0)
+
+
+def _tap_not_discovered():
+    def other(sinks, w):
+        with lsj.taps.recording(sinks):
+            return lsj.tap(w, "b")
+
+    jax.grad(other)(_sinks_for_a(), 1.0)
+
+
+def _stacked_taps():
+    stacked = jax.tree_util.tree_map(lambda v: jnp.stack([v, v]), _sinks_for_a())
+    TX.update(PARAMS, STATE, PARAMS, taps=stacked)
+
+
+def _enter(context):
+    with context:
+        pass
+
+
+# Taps (lsj.tap, lsj.taps) used wrongly.
+CASES += [
+    (
+        "tap empty name",
+        lambda: lsj.tap(jnp.ones(2), ""),
+        lsj.errors.TapError,
+        "tap name must be a non-empty string",
+    ),
+    ("tap name not str", lambda: lsj.tap(jnp.ones(2), 3), TypeError, "tap name must be a str"),
+    (
+        "tap integers",
+        lambda: lsj.tap(jnp.arange(3), "i"),
+        TypeError,
+        "lsj.tap('i'): only a floating array has a gradient to measure",
+    ),
+    (
+        "tap not discovered",
+        _tap_not_discovered,
+        lsj.errors.TapError,
+        "the tap 'b' was not there when the sinks were made",
+    ),
+    (
+        "recording without sinks",
+        lambda: _enter(lsj.taps.recording({"a": jnp.zeros(3)})),  # type: ignore[arg-type]
+        lsj.errors.TapError,
+        "recording needs the sinks lsj.taps.discover made",
+    ),
+    (
+        "recording modules",
+        lambda: _enter(lsj.taps.recording(_sinks_for_a(), modules="all")),  # type: ignore
+        TypeError,
+        "modules must be a bool or a predicate on modules",
+    ),
+    (
+        "recording forward",
+        lambda: _enter(lsj.taps.recording(_sinks_for_a(), forward=1)),  # type: ignore
+        TypeError,
+        "forward must be a bool",
+    ),
+    (
+        "taps not TapStats",
+        lambda: TX.update(PARAMS, STATE, PARAMS, taps={"loss": jnp.zeros(3)}),
+        lsj.errors.TapError,
+        "loss_scaling: taps must be the TapStats lsj.taps.value_and_grad returns",
+    ),
+    (
+        "taps stacked",
+        _stacked_taps,
+        lsj.errors.TapError,
+        "loss_scaling: each tap's statistics must be a (286,) vector (one device's",
+    ),
+    (
+        "value_and_grad argnums",
+        lambda: lsj.taps.value_and_grad(lambda w: w, argnums=-1),
+        ValueError,
+        "argnums must be an int >= 0 or a sequence of them",
+    ),
+    (
+        "diagnose localize",
+        lambda: lsj.diagnose(lambda p, b: p, {"w": jnp.ones(2)}, [0], localize=1),
+        TypeError,
+        "localize must be a bool",
+    ),
+]
+
+
 @pytest.mark.parametrize("name,call,exc,message", CASES, ids=[c[0] for c in CASES])
 def test_error(name, call, exc, message):
     with pytest.raises(exc, match=re.escape(message)):

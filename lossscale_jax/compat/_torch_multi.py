@@ -153,7 +153,8 @@ def multi_optimizer(
     def update_fn(updates, state, params=None, **extra_args):
         state = check_state(state, LossScalingState, "compat.torch.multi_optimizer")
         scale = state.loss_scale.scale
-        check = engine.check(updates, scale, state.leaf_overflow, reduce_flags=True)
+        taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them
+        check = engine.check(updates, scale, state.leaf_overflow, reduce_flags=True, taps=taps)
         loss_scale, _ = engine.decide(state.loss_scale, check)
         flags = cast(jax.Array, check.flags)  # reduce_flags=True: always kept
         labels = param_labels(updates) if callable(param_labels) else param_labels

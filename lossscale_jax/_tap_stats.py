@@ -1,0 +1,225 @@
+"""``TapStats``: what the taps saw in one backward pass, one float32 vector per tap.
+
+A tap's vector is the "gradient" of a zero-valued input (its sink), so JAX adds the vectors of
+every use of one sink: a tap inside ``lax.scan`` (its sink closed over, used once per
+iteration), a layer called twice, a sink replicated across ``shard_map`` devices. The layout is
+chosen so that a sum still answers every question the statistics are for:
+
+  ========  ==============================================================================
+  index     per use (the sum over uses is what is stored)
+  ========  ==============================================================================
+  USES      1
+  MAX       max |cotangent| over its finite entries
+  NONFINITE entries of the cotangent that are inf or nan
+  NONZERO   finite nonzero entries
+  UNDERFLOW finite nonzero entries below float16's smallest normal, 2**-14 (zero or
+            subnormal in float16: for a float16 cotangent, the subnormal ones)
+  SIZE      entries
+  FWD_MAX   max |activation| over its finite entries (forward statistics, when recorded)
+  FWD_NONFINITE  activation entries that are inf or nan (idem)
+  FWD_SIZE  activation entries when the forward statistics are recorded, else 0
+  BUCKETS   one-hot of the binary exponent of MAX (``frexp``), ``N_BUCKETS`` wide
+  ========  ==============================================================================
+
+A max does not survive a sum, so ``max_abs`` reads MAX only for a tap used once; for more
+uses it is ``min(sum of the maxima, 2 ** e)`` with ``e`` the highest exponent seen in the
+buckets: an upper bound of the true maximum within a factor of 2, always at or above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+USES, MAX, NONFINITE, NONZERO, UNDERFLOW, SIZE, FWD_MAX, FWD_NONFINITE, FWD_SIZE = range(9)
+HEAD = 9
+# frexp exponents of finite nonzero float32 magnitudes: -148 (2**-149) to 128 (below 2**128).
+EXP_MIN = -148
+N_BUCKETS = 128 - EXP_MIN + 1
+WIDTH = HEAD + N_BUCKETS
+# float16's smallest normal: a magnitude below it is subnormal (or zero) in float16.
+F16_TINY = float(np.finfo(np.float16).tiny)
+F32 = jnp.float32
+
+
+def _abs32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    a = jnp.abs(x.astype(F32)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.abs(x).astype(F32)
+    finite = jnp.isfinite(a)
+    return jnp.where(finite, a, F32(0.0)), finite
+
+
+def measure_backward(ct: jax.Array) -> jax.Array:
+    """The backward half of one use's vector (forward fields 0): one read of ``ct``."""
+    a, finite = _abs32(ct)
+    peak = jnp.max(a, initial=F32(0.0))
+    nonzero = a > 0
+    head = jnp.stack(
+        [
+            F32(1.0),
+            peak,
+            jnp.sum(jnp.logical_not(finite), dtype=F32),
+            jnp.sum(nonzero, dtype=F32),
+            jnp.sum(jnp.logical_and(nonzero, a < F16_TINY), dtype=F32),
+            F32(ct.size),
+            F32(0.0),
+            F32(0.0),
+            F32(0.0),
+        ]
+    )
+    exponent = jnp.frexp(peak)[1].astype(jnp.int32)
+    bucket = jax.nn.one_hot(exponent - EXP_MIN, N_BUCKETS, dtype=F32) * (peak > 0).astype(F32)
+    return jnp.concatenate([head, bucket])
+
+
+def measure_forward(x: jax.Array) -> jax.Array:
+    """The forward fields of one use's vector (every other field 0)."""
+    a, finite = _abs32(x)
+    values = jnp.stack(
+        [
+            jnp.max(a, initial=F32(0.0)),
+            jnp.sum(jnp.logical_not(finite), dtype=F32),
+            F32(x.size),
+        ]
+    )
+    return jnp.zeros([WIDTH], F32).at[FWD_MAX : FWD_SIZE + 1].set(values)
+
+
+def _limit(dtype: str) -> float:
+    return float(jnp.finfo(jnp.dtype(dtype)).max)
+
+
+@jax.tree_util.register_pytree_node_class
+class TapStats:
+    """What every tap saw in one backward pass, in the order the forward pass met them.
+
+    A pytree: its leaves are one ``float32[WIDTH]`` vector per tap (a leading device
+    axis under ``pmap``), its static part the tap names and the dtypes of the tapped
+    values. It is what ``lsj.taps.value_and_grad`` returns beside the gradients, and
+    what ``tx.update(..., taps=stats)`` reads. Build the zero-valued sinks with
+    ``lsj.taps.discover``; read the statistics with the methods below (arrays, no
+    host sync).
+
+    Attributes:
+      names: the tap names, in forward order (a module path, ``"loss"``, or the
+        name given to ``lsj.tap``; a name met again in one pass gets ``#2``, ``#3``).
+      dtypes: the dtype of each tapped value (its cotangent has the same dtype).
+      values: one float32 vector per tap (layout in ``lossscale_jax._tap_stats``).
+    """
+
+    def __init__(self, names: Sequence[str], dtypes: Sequence[str], values: Sequence[Any]) -> None:
+        self.names: tuple[str, ...] = tuple(names)
+        self.dtypes: tuple[str, ...] = tuple(dtypes)
+        self.values: tuple[Any, ...] = tuple(values)
+        if not len(self.names) == len(self.dtypes) == len(self.values):
+            raise ValueError(
+                f"TapStats needs one dtype and one vector per name, got {len(self.names)} "
+                f"names, {len(self.dtypes)} dtypes and {len(self.values)} vectors."
+            )
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...]]]:
+        return self.values, (self.names, self.dtypes)
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, values: Any) -> TapStats:
+        return cls(aux[0], aux[1], values)
+
+    @classmethod
+    def zeros(cls, names: Sequence[str], dtypes: Sequence[str]) -> TapStats:
+        """The sinks: one zero vector per tap."""
+        return cls(names, dtypes, [jnp.zeros([WIDTH], F32) for _ in names])
+
+    def __repr__(self) -> str:
+        return f"TapStats({len(self.names)} taps: {', '.join(self.names)})"
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def _field(self, index: int) -> dict[str, jax.Array]:
+        return {n: v[..., index] for n, v in zip(self.names, self.values, strict=True)}
+
+    def uses(self) -> dict[str, jax.Array]:
+        """Per tap, how many times its cotangent was measured (per device)."""
+        return self._field(USES)
+
+    def max_abs(self) -> dict[str, jax.Array]:
+        """Per tap, max |cotangent| over its finite entries (see the module docstring:
+        exact for a tap used once, an upper bound within a factor of 2 otherwise)."""
+        out = {}
+        for n, v in zip(self.names, self.values, strict=True):
+            seen = v[..., HEAD:] > 0
+            top = N_BUCKETS - 1 - jnp.argmax(seen[..., ::-1], axis=-1)
+            bound = jnp.where(jnp.any(seen, axis=-1), jnp.ldexp(F32(1.0), top + EXP_MIN), F32(0.0))
+            out[n] = jnp.where(v[..., USES] <= 1, v[..., MAX], jnp.minimum(v[..., MAX], bound))
+        return out
+
+    def nonfinite(self) -> dict[str, jax.Array]:
+        """Per tap, the cotangent's inf and nan entries (a float32 count)."""
+        return self._field(NONFINITE)
+
+    def underflow_fraction(self) -> dict[str, jax.Array]:
+        """Per tap, the fraction of finite nonzero cotangent entries below 2**-14 (zero or
+        subnormal in float16); 0 where there is no nonzero entry."""
+        return {
+            n: v[..., UNDERFLOW] / jnp.maximum(v[..., NONZERO], F32(1.0))
+            for n, v in zip(self.names, self.values, strict=True)
+        }
+
+    def forward_max_abs(self) -> dict[str, jax.Array]:
+        """Per tap, max |activation| over its finite entries (0 unless the forward
+        statistics were recorded; a sum over uses, like ``max_abs``'s MAX)."""
+        return self._field(FWD_MAX)
+
+    def forward_nonfinite(self) -> dict[str, jax.Array]:
+        """Per tap, the activation's inf and nan entries (when recorded)."""
+        return self._field(FWD_NONFINITE)
+
+    def overflow(self, mode: str = "ieee") -> jax.Array:
+        """Whether a tap's cotangent left its dtype's range: a bool array (per device).
+
+        ``"ieee"``: an inf or nan entry; ``"saturating"``: also a finite entry at
+        the dtype's largest value (what a saturating device writes); ``"both"``: the
+        same as ``"saturating"``.
+        """
+        if not self.values:
+            return jnp.zeros([], jnp.bool_)
+        found = jnp.zeros(jnp.shape(self.values[0])[:-1], jnp.bool_)
+        peaks = self.max_abs()
+        for n, d, v in zip(self.names, self.dtypes, self.values, strict=True):
+            found = jnp.logical_or(found, v[..., NONFINITE] > 0)
+            if mode != "ieee":
+                found = jnp.logical_or(found, peaks[n] >= F32(_limit(d)))
+        return found
+
+    def range_fraction(self, scale: jax.Array) -> jax.Array:
+        """``max over taps of max_abs / (scale * finfo(dtype).max)``, float32: the
+        fraction of each tapped dtype's range the cotangents would fill at scale 1
+        (the quantity ``HeadroomScale`` keeps room for). 0 with no tap."""
+        out = jnp.zeros(jnp.shape(scale), F32)
+        peaks = self.max_abs()
+        scale = jnp.asarray(scale, F32)
+        for n, d in zip(self.names, self.dtypes, strict=True):
+            out = jnp.maximum(out, peaks[n] / (scale * F32(_limit(d))))
+        return out
+
+    def summary(self) -> dict[str, dict[str, jax.Array]]:
+        """Per tap: ``max_abs``, ``nonfinite``, ``underflow_fraction``, ``uses``
+        (arrays: log them with ``jax.device_get``)."""
+        peaks, bad, under, uses = (
+            self.max_abs(),
+            self.nonfinite(),
+            self.underflow_fraction(),
+            self.uses(),
+        )
+        return {
+            n: {
+                "max_abs": peaks[n],
+                "nonfinite": bad[n],
+                "underflow_fraction": under[n],
+                "uses": uses[n],
+            }
+            for n in self.names
+        }

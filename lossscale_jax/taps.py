@@ -1,0 +1,235 @@
+"""Taps: statistics of the activation gradients, from inside the backward pass.
+
+Everything else the library measures is a parameter gradient. float16 fails earlier than
+that: in the loss's own cotangent, in the backward signal between layers. A tap marks a value
+of the forward pass; in the backward pass it records, for the cotangent arriving there, the
+largest magnitude, how much of it is zero or subnormal in float16, and its inf/nan entries,
+under ``jit``, ``pmap``/``shard_map``, ``scan`` and ``remat``, with no host sync.
+
+- Plain JAX: ``lsj.tap(x, "name")`` where a boundary is.
+- Flax Linen: every module's ``__call__`` output is tapped, named by its module path, without
+  changing the model (method interception while the loss is traced).
+- Flax NNX: the same, for the modules of ``recording(..., model=model)``.
+- ``lsj.scale_loss`` taps the loss itself (``"loss"``), so a float16 loss needs no user code.
+
+The statistics come back as the "gradient" of zero-valued inputs, one per tap (the sinks,
+a ``TapStats``): ``value_and_grad`` below does it in one call. Hand them to the optimizer
+(``tx.update(grads, opt_state, params, taps=stats)``, ``apply_gradients(..., taps=)``,
+``TrainState.apply_gradients(grads=, taps=)``): an inf or nan in a tapped cotangent counts as
+an overflow, and ``HeadroomScale`` keeps its scale below the range the taps show (reduced
+over devices in the overflow flag's own collective). ``lsj.diagnose`` reads them to name the
+layer where float16 breaks.
+
+Outside ``recording`` (and ``value_and_grad``) a tap is the identity: a step that does not ask
+for taps has no trace of them in its program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale_jax._tap_stats import TapStats
+from lossscale_jax._tapping import (
+    Recorder,
+    active,
+    recorder,
+    sinks_of,
+    tap_tree,
+    validate_modules,
+)
+from lossscale_jax.errors import TapError
+
+__all__ = ["Modules", "TapStats", "discover", "recording", "tap", "value_and_grad"]
+
+#: Which modules are tapped: all (``True``), none (``False``), or those a predicate accepts.
+Modules = bool | Callable[[Any], bool]
+
+
+def tap(x: Any, name: str) -> Any:
+    """Marks ``x`` (an array or a pytree of them) as a tap named ``name``.
+
+    The identity in the forward pass. Inside ``recording`` (or ``value_and_grad``),
+    the backward pass records the statistics of the cotangent arriving at ``x``
+    (see ``TapStats``); elsewhere it does nothing at all. Several floating leaves
+    become taps ``name[0]``, ``name[1]``, ...; a name met again in one pass gets
+    ``#2``, ``#3``. Non-floating leaves pass through.
+
+    Args:
+      x: the value to mark.
+      name: a non-empty string naming it in the statistics.
+
+    Returns:
+      ``x``.
+
+    Raises:
+      TypeError: if ``name`` is not a string, or ``x`` is an array that is not
+        floating.
+      errors.TapError: if ``name`` is empty, or the tap was not met when the sinks
+        were made (``discover``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import lossscale_jax as lsj
+      >>> def loss_fn(w, x):
+      ...     h = lsj.tap(jnp.tanh(x @ w), "hidden")
+      ...     return jnp.sum(h) * 1e-6
+      >>> loss, grads, taps = lsj.taps.value_and_grad(loss_fn)(jnp.ones((2, 3)), jnp.ones((4, 2)))
+      >>> taps.names
+      ('hidden',)
+      >>> float(taps.max_abs()["hidden"])       # d loss / d h = 1e-6 everywhere
+      9.999999974752427e-07
+      >>> float(taps.underflow_fraction()["hidden"])   # below 2**-14: lost in float16
+      1.0
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"tap name must be a str, got {name!r} ({type(name).__name__}).")
+    if not name:
+        raise TapError("tap name must be a non-empty string, got ''.")
+    if hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"lsj.tap({name!r}): only a floating array has a gradient to measure, got dtype "
+            f"{x.dtype}."
+        )
+    return tap_tree(x, name)
+
+
+@contextlib.contextmanager
+def recording(
+    sinks: TapStats | None,
+    *,
+    modules: Modules = True,
+    model: Any = None,
+    forward: bool = False,
+) -> Iterator[None]:
+    """Runs the code inside with its taps feeding ``sinks`` (use it inside the function
+    you differentiate).
+
+    ``jax.grad`` of that function with respect to ``sinks`` is the ``TapStats`` of the
+    pass. ``value_and_grad`` does all of it for a function of arrays; write it out for
+    an NNX model (``nnx.value_and_grad`` with ``argnums=(0, 1)`` over the model and
+    the sinks) or a hand-written step.
+
+    Args:
+      sinks: the zero-valued ``TapStats`` ``discover`` made (``None`` only while
+        ``discover`` traces the function).
+      modules: tap every Flax Linen module's ``__call__`` output (by module path);
+        ``False``: none; a predicate on module instances: those it accepts (e.g.
+        ``lambda m: isinstance(m, Block)``; it also selects the NNX modules).
+      model: an NNX module whose sub-modules (and itself) are tapped at their
+        ``__call__`` output (by their path in ``model``); ``None``: no NNX tapping.
+      forward: also record the forward activation's max and inf/nan entries
+        (``diagnose`` does; a training step does not need them).
+
+    Raises:
+      errors.TapError: if ``sinks`` is not a ``TapStats`` (outside ``discover``).
+      TypeError: if ``modules`` or ``forward`` has the wrong type, or ``model`` is
+        not an ``nnx.Module``.
+    """
+    select = validate_modules(modules)
+    if not isinstance(forward, bool):
+        raise TypeError(f"forward must be a bool, got {forward!r}.")
+    outer = active()
+    if outer is not None and outer.sinks is None:  # discover is tracing: collect the names
+        rec = outer
+    elif not isinstance(sinks, TapStats):
+        raise TapError(
+            f"recording needs the sinks lsj.taps.discover made (a TapStats), got "
+            f"{type(sinks).__name__}."
+        )
+    else:
+        rec = Recorder(sinks=sinks, forward=forward)
+    with recorder(rec, select, model):
+        yield
+
+
+def discover(
+    fun: Callable[..., Any], *args: Any, modules: Modules = True, **kwargs: Any
+) -> TapStats:
+    """The sinks of the taps ``fun(*args, **kwargs)`` meets: one zero vector per tap.
+
+    ``fun`` is traced abstractly once (``jax.eval_shape``: no computation) with every
+    tap collecting its name; the result holds the names in forward order. Under
+    ``jit`` this is one more trace of ``fun`` when the step is traced, nothing at run
+    time. Pass ``None`` where ``fun`` takes the sinks.
+
+    Args:
+      fun: the function (it may call ``recording`` itself, as an NNX loss does).
+      *args, **kwargs: its arguments (arrays or shapes).
+      modules: which Flax Linen modules to tap (as ``recording``).
+
+    Returns:
+      A ``TapStats`` of zeros (an empty one when ``fun`` meets no tap).
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be callable, got {fun!r}.")
+    rec = Recorder(sinks=None)
+    with recorder(rec, validate_modules(modules), None):
+        jax.eval_shape(fun, *args, **kwargs)
+    return sinks_of(rec)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    modules: Modules = True,
+) -> Callable[..., tuple[Any, Any, TapStats]]:
+    """``jax.value_and_grad`` that also returns the statistics of every tap.
+
+    ``value_and_grad(fun)(*args)`` is ``(value, grads, taps)``: ``value`` and
+    ``grads`` as ``jax.value_and_grad(fun, argnums, has_aux)`` gives them (``value``
+    is ``(loss, aux)`` with ``has_aux``), ``taps`` a ``TapStats`` (the explicit
+    ``lsj.tap`` calls, the Flax Linen modules, and the loss when ``fun`` calls
+    ``lsj.scale_loss``). One trace of ``fun`` finds the taps, one differentiates.
+
+    Args:
+      fun: the loss function (the same one ``jax.value_and_grad`` would take).
+      argnums: which positional arguments to differentiate (int or sequence).
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      modules: which Flax Linen modules to tap (as ``recording``).
+
+    Returns:
+      A function of ``fun``'s arguments returning ``(value, grads, taps)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import lossscale_jax as lsj
+      >>> tx = lsj.loss_scaling(optax.sgd(0.1), lsj.HeadroomScale())
+      >>> params = {"w": jnp.ones((2, 2), jnp.float16)}
+      >>> opt_state = tx.init(params)
+      >>> def loss_fn(p):                                   # a float16 loss
+      ...     return lsj.scale_loss(jnp.sum(p["w"] ** 2), opt_state)
+      >>> loss, grads, taps = lsj.taps.value_and_grad(loss_fn)(params)
+      >>> taps.names                                        # the loss, tapped by scale_loss
+      ('loss',)
+      >>> updates, opt_state = tx.update(grads, opt_state, params, taps=taps)
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be callable, got {fun!r}.")
+    validate_modules(modules)
+    single = isinstance(argnums, int)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or not all(isinstance(i, int) and i >= 0 for i in nums):
+        raise ValueError(f"argnums must be an int >= 0 or a sequence of them, got {argnums!r}.")
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, TapStats]:
+        sinks = discover(fun, *args, modules=modules, **kwargs)
+
+        def with_sinks(sinks: TapStats, *args: Any) -> Any:
+            with recording(sinks, modules=modules):
+                return fun(*args, **kwargs)
+
+        shifted = (0,) + tuple(i + 1 for i in nums)
+        value, grads = jax.value_and_grad(with_sinks, argnums=shifted, has_aux=has_aux)(
+            sinks, *args
+        )
+        stats, rest = grads[0], grads[1:]
+        return value, (rest[0] if single else rest), stats
+
+    return wrapped
