@@ -9,6 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from lossscale_jax._localizer import TapDiagnosis
+from lossscale_jax._localizer import table as localizer_table
+
 # Histogram bins of floor(log2|g|): every finite nonzero float32 (2^-149 .. 2^127).
 # A reference entry counts as nonzero when |g| > NOISE * max|g| of its leaf (per batch):
 # smaller ones are at the rounding noise of the float32 computation (the gradient of
@@ -105,6 +108,9 @@ class Diagnosis:
       num_batches: how many batches were used.
       tolerance: the underflow (fraction) above the floor still counted as
         at the floor.
+      taps: the localizer's rows, one ``TapDiagnosis`` per tap of the model (Flax
+        modules, ``lsj.tap`` calls, the loss through ``scale_loss``) in forward
+        order; empty for a model without taps.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -130,6 +136,7 @@ class Diagnosis:
     verdict: str
     num_batches: int
     tolerance: float
+    taps: tuple[TapDiagnosis, ...] = ()
 
     def table(self) -> str:
         """The diagnosis as a text table: one row per leaf, then the model's verdict.
@@ -195,6 +202,7 @@ class Diagnosis:
                 f"init_scale range [{_fmt_scale(lo)}, {_fmt_scale(hi)}{top}], "
                 f"recommended {_fmt_scale(self.recommended_scale)}"
             )
+        out.extend(localizer_table(self.taps, _fmt_scale(self.recommended_scale)))
         out.append(f"model: {self.verdict}")
         return "\n".join(out)
 

@@ -61,12 +61,16 @@ def plot(
     data_hi = float(used[-1] + log2_min + 1) if used.size else 0.0
     lo = min(data_lo, -30.0) - 2
     hi = max(data_hi + shift, 20.0) + 2
+    for t in diagnosis.taps:  # room for the activations' maxima
+        if math.isfinite(_log2(t.forward_max_reference)):
+            hi = max(hi, _log2(t.forward_max_reference) + 2)
 
     drawn = leaves[:max_leaves]
-    fig = Figure(figsize=(9.0, 3.6 + 0.3 * len(drawn)), layout="constrained")
-    top, bottom = fig.subplots(
-        2, 1, sharex=True, gridspec_kw={"height_ratios": [3.0, 0.6 + 0.3 * len(drawn)]}
-    )
+    taps = tuple(diagnosis.taps)[:max_leaves]
+    heights = [3.0, 0.6 + 0.3 * len(drawn)] + ([0.6 + 0.3 * len(taps)] if taps else [])
+    fig = Figure(figsize=(9.0, 0.6 + sum(heights)), layout="constrained")
+    axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
+    top, bottom = axes[0], axes[1]
 
     # The whole model: fraction of nonzero entries per binade, unscaled and shifted.
     x = np.arange(hist.size) + log2_min
@@ -105,7 +109,7 @@ def plot(
         range(len(drawn)), [_short(leaf.path) for leaf in reversed(drawn)], fontsize=8
     )
     bottom.set_ylim(-0.7, len(drawn) - 0.3)
-    bottom.set_xlabel("log2 |g|")
+    bottom.set_xlabel("log2 |g|" if not taps else "")
     more = f" (first {len(drawn)} of {len(leaves)})" if len(drawn) < len(leaves) else ""
     bottom.set_title(
         f"per leaf{more}: gray unscaled, blue x {_scale_label(shift_scale)}; "
@@ -113,9 +117,51 @@ def plot(
         fontsize=9,
         loc="left",
     )
+    if taps:
+        _activations(axes[2], taps, shift, shift_scale, lo, hi)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=110)
     return fig
+
+
+def _log2(x: float) -> float:
+    return math.log2(x) if x > 0 and math.isfinite(x) else float("nan")
+
+
+def _activations(ax: Any, taps: tuple, shift: float, shift_scale: float, lo: float, hi: float):
+    """Per tap in network order (top to bottom): the forward activation's max (orange, a red
+    cross where float16 overflows) and the backward gradient's max, unscaled (gray) and
+    scaled (blue), with the share below 2^-14 at each."""
+    _regions(ax, lo, hi, legend=False)
+    n = len(taps)
+    for row, t in enumerate(taps):
+        y = n - 1 - row
+        fwd = min(_log2(t.forward_max_reference), hi - 0.5)
+        ax.plot(
+            fwd,
+            y + 0.18,
+            marker="x" if t.forward_overflows else ">",
+            ms=7,
+            color="#d62728" if t.forward_overflows else "#ff7f0e",
+        )
+        bwd = _log2(t.backward_max)
+        ax.plot(bwd, y - 0.14, marker="o", ms=5, color="0.35")
+        ax.plot(bwd + shift, y - 0.14, marker="o", ms=5, color="#1f77b4")
+        if math.isfinite(bwd):
+            under = f"{100 * t.underflow_unscaled:.0f}%"
+            if math.isfinite(t.underflow_at_recommended):
+                under += f" -> {100 * t.underflow_at_recommended:.0f}%"
+            ax.text(bwd + shift + 0.6, y - 0.14, under, fontsize=7, va="center")
+    ax.set_yticks(range(n), [_short(t.name) for t in reversed(taps)], fontsize=8)
+    ax.set_ylim(-0.7, n - 0.3)
+    ax.set_xlabel("log2 |x| (activations) and log2 |g| (their gradients)")
+    ax.set_title(
+        "activations in network order: max (orange; red x: leaves float16); their "
+        f"gradients' max unscaled (gray), x {_scale_label(shift_scale)} (blue), "
+        "% below 2^-14",
+        fontsize=9,
+        loc="left",
+    )
 
 
 def _scale_label(s: float) -> str:

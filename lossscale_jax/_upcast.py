@@ -9,8 +9,10 @@ user writes the float16 loss once and gets its float32 reference for free.
 
 Calls (``jit``, ``custom_jvp``/``custom_vjp`` functions, ``checkpoint``) are inlined: their
 bodies run through the same rewrite (their custom derivatives are not kept; the reference is
-differentiated through the body). ``scan``, ``cond`` and ``while`` get their bodies rewritten.
-A primitive the rewrite cannot widen raises ``ValueError`` naming it.
+differentiated through the body), except a tap's (``lsj.tap``): it is bound again on the
+widened value, so the reference records its own activation-gradient statistics. ``scan``,
+``cond`` and ``while`` get their bodies rewritten. A primitive the rewrite cannot widen raises
+``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
+
+from lossscale_jax._tapping import active, substituted, tap_of_equation
 
 # Primitives whose body is inlined, and the parameter holding it.
 _INLINE = {
@@ -96,6 +100,11 @@ def _params(name: str, params: dict, low: np.dtype) -> dict:
 def _apply(eqn: Any, invals: list, low: np.dtype) -> list:
     prim, params = eqn.primitive, eqn.params
     name = prim.name
+    tap = tap_of_equation(params) if name == "custom_vjp_call" else None
+    if tap is not None:  # a tap stays a tap (on the widened value): diagnose reads it
+        consts = params.get("num_consts", 0)
+        x, sink = invals[consts:]
+        return [tap(x, sink)]
     if name in _INLINE and _INLINE[name] in params:
         body = params[_INLINE[name]]
         if isinstance(body, jcore.ClosedJaxpr):
@@ -164,8 +173,19 @@ def upcast(fun: Callable, low: Any = jnp.float16) -> Callable:
     def widened(*args: Any) -> Any:
         # Traced at the arguments' own dtypes: the casts to float16 the function makes
         # (e.g. of float32 master weights) are what the rewrite turns into float32.
-        closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*args)
-        flat = jax.tree_util.tree_leaves(args)
+        rec = active()
+        if rec is None or rec.sinks is None:
+            closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*args)
+            flat = jax.tree_util.tree_leaves(args)
+        else:  # recording taps: the sinks become inputs of the traced program
+            sinks = list(rec.sinks.values)
+
+            def with_sinks(values: list[Any], *args: Any) -> Any:
+                with substituted(values):
+                    return fun(*args)
+
+            closed, shapes = jax.make_jaxpr(with_sinks, return_shape=True)(sinks, *args)
+            flat = sinks + jax.tree_util.tree_leaves(args)
         out = _eval(closed.jaxpr, closed.consts, flat, low)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)
 

@@ -10,6 +10,7 @@ tool, run before training (it is not part of a step); its computation is jitted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale_jax import _diagnosis_report as _report
-from lossscale_jax import _upcast, numerics
+from lossscale_jax import _localizer, _upcast, numerics
 from lossscale_jax._check import is_float
 from lossscale_jax._diagnosis_report import (
     _N_BINS,
@@ -29,13 +30,16 @@ from lossscale_jax._diagnosis_report import (
     LeafDiagnosis,
     summarize,
 )
+from lossscale_jax._localizer import TapDiagnosis
+from lossscale_jax._tapping import validate_modules
+from lossscale_jax.taps import Modules, discover
 
 # The verdicts and the histogram's range, importable from here as before the split.
 LOG2_MAX = _report.LOG2_MAX
 NO_SCALING, SCALE_NEEDED = _report.NO_SCALING, _report.SCALE_NEEDED
 OVERFLOWS, UNDERFLOWS = _report.OVERFLOWS, _report.UNDERFLOWS
 
-__all__ = ["Diagnosis", "LeafDiagnosis", "diagnose"]
+__all__ = ["Diagnosis", "LeafDiagnosis", "TapDiagnosis", "diagnose"]
 
 
 def _check_scales(scales: Any, scale: float) -> np.ndarray:
@@ -142,6 +146,8 @@ def diagnose(
     reference_fn: Callable[[Any, Any], jax.Array] | None = None,
     tolerance: float = 1e-3,
     print_table: bool = True,
+    localize: bool = True,
+    modules: Modules = True,
 ) -> Diagnosis:
     """Reports, per gradient leaf, what float16 loses and which loss scale fixes it.
 
@@ -200,6 +206,14 @@ def diagnose(
       tolerance: the underflow fraction above the floor still counted as the
         floor (default 0.1% of the nonzero entries).
       print_table: print ``Diagnosis.table()`` (default True).
+      localize: for a model with taps (Flax Linen modules, ``lsj.tap`` calls,
+        ``lsj.scale_loss``), report per tap in forward order the float16 and
+        float32 activation maxima and the activation gradient's underflow
+        (``Diagnosis.taps``), and name in the verdict the first module whose
+        float16 output leaves the range and where the backward gradients start
+        to underflow. Three more passes per batch; ``False`` skips them.
+      modules: which Flax Linen modules the localizer taps (as
+        ``lsj.taps.recording``: all, none, or a predicate on module instances).
 
     Returns:
       A ``Diagnosis`` (per-leaf ``LeafDiagnosis`` rows, the model's range,
@@ -239,6 +253,9 @@ def diagnose(
         raise ValueError("batches must hold at least one batch, got none.")
     scale = _one_scale(scale)
     grid = _check_scales(scales if scales is not None else 2.0 ** np.arange(-8, 25), scale)
+    if not isinstance(localize, bool):
+        raise TypeError(f"localize must be a bool, got {localize!r}.")
+    validate_modules(modules)
     if not (isinstance(tolerance, int | float) and 0.0 <= tolerance < 1.0):
         raise ValueError(f"tolerance must be a fraction in [0, 1), got {tolerance!r}.")
     low = numerics.validate_compute_dtype(compute_dtype)
@@ -277,14 +294,50 @@ def diagnose(
     other_leaves = [leaves[i] for i in rest]
     scales32 = jnp.asarray(grid, jnp.float32)
     results = [jax.device_get(batch_fn(float_leaves, other_leaves, b, scales32)) for b in batches]
-    return summarize(
+    report = summarize(
         [jax.tree_util.keystr(flat_with_path[i][0]) for i in floats],
         [tuple(np.shape(leaves[i])) for i in floats],
         results,
         grid,
         scale,
         tolerance,
-        print_table,
+        False,
+    )
+    if localize:
+        report = _localize(report, loss_fn, reference, params, batches, threshold, modules)
+    if print_table:
+        print(report.table())
+    return report
+
+
+def _localize(
+    report: Diagnosis,
+    loss_fn: Callable,
+    reference: Callable,
+    params: Any,
+    batches: list[Any],
+    threshold: float,
+    modules: Any,
+) -> Diagnosis:
+    """``report`` with the localizer's rows and verdict (unchanged for a model without taps)."""
+    sinks = discover(loss_fn, params, batches[0], modules=modules)
+    if not len(sinks):
+        return report
+    select = validate_modules(modules)
+    low = _localizer.stats_fn(loss_fn, sinks, select)
+    ref = _localizer.stats_fn(reference, sinks, select)
+    one = jnp.float32(1.0)
+    stats_low = [np.asarray(jax.device_get(low(params, b, one))) for b in batches]
+    stats_ref = [np.asarray(jax.device_get(ref(params, b, one))) for b in batches]
+    at = None
+    if report.recommended_scale is not None:
+        s = jnp.float32(report.recommended_scale)
+        at = [np.asarray(jax.device_get(ref(params, b, s))) for b in batches]
+    taps = _localizer.rows(sinks.names, stats_low, stats_ref, at, threshold)
+    return dataclasses.replace(
+        report,
+        taps=taps,
+        verdict=_localizer.verdict(report.verdict, report.loss_finite, taps, report.tolerance),
     )
 
 

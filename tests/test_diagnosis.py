@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -36,14 +37,15 @@ def mlp_params(seed: int = 0) -> dict:
 
 
 def mlp_loss(weight: float, dtype=jnp.float16):
-    """An MLP's mean squared error times ``weight``, computed in ``dtype`` (float32 weights)."""
+    """An MLP's mean squared error times ``weight``, computed in ``dtype`` (float32 weights);
+    each layer's output is tapped (``lsj.tap``), which only diagnose's localizer sees."""
 
     def loss_fn(params, batch):
         x, y = batch
         h = x.astype(dtype)
         p = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
         for i in range(len(p)):
-            h = h @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"]
+            h = lsj.tap(h @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"], f"Dense_{i}")
             if i < len(p) - 1:
                 h = jax.nn.relu(h)
         return weight * jnp.mean((h.astype(jnp.float32) - y) ** 2)
@@ -179,6 +181,9 @@ def test_forward_overflow_is_reported():
     report = lsj.diagnose(mlp_loss(1.0), params, BATCHES[:1], scales=[1.0], print_table=False)
     assert not report.loss_finite and report.init_scale_range is None
     assert report.verdict.startswith("the float16 loss is not finite")
+    # the localizer names the layer (the MLP's outputs are tapped): the first one
+    assert "overflows first at Dense_0" in report.verdict
+    assert "keep Dense_0 in float32" in report.verdict and "the layers" not in report.verdict
     assert all(
         leaf.verdict == "this layer overflows at any scale: keep it in float32"
         for leaf in report.leaves
@@ -194,7 +199,8 @@ def test_plot_shifts_the_histogram_by_the_recommended_scale(tmp_path):
     path = tmp_path / "float16.png"
     fig = report.plot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    top, bottom = fig.axes
+    top, bottom, activations = fig.axes  # the MLP's layers are tapped: a third panel
+    assert len(activations.get_yticks()) == len(report.taps) > 0
     (bars,) = top.containers
     (stairs,) = [p for p in top.patches if type(p).__name__ == "StepPatch"]
     hist = np.sum([leaf.log2_histogram for leaf in report.leaves], axis=0)
@@ -214,3 +220,95 @@ def test_matplotlib_is_imported_only_by_plot():
         "assert 'matplotlib' not in sys.modules, 'imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+
+
+# --------------------------------------------------------------------------
+# The localizer: per tap, in forward order, against a float32 model of its own (the same
+# network built with dtype float32) and Flax's capture_intermediates.
+
+
+class MiddleOverflows(nn.Module):
+    """Its middle layer's float16 output leaves float16's range; tanh hides it from the loss."""
+
+    dtype: Any = jnp.float16
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(nn.Dense(32, dtype=self.dtype, name="embed")(x.astype(self.dtype)))
+        init = nn.initializers.normal(8000.0)
+        x = nn.Dense(32, dtype=self.dtype, name="middle", kernel_init=init)(x)
+        x = jnp.tanh(x / 4096)
+        return nn.Dense(1, dtype=self.dtype, name="head")(x)
+
+
+def _middle_case():
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 8))
+    y = jnp.zeros((64, 1))
+    variables = MiddleOverflows().init(jax.random.PRNGKey(1), x)
+
+    def loss_fn(v, batch, dtype=jnp.float16):
+        out = MiddleOverflows(dtype=dtype).apply(v, batch[0])
+        return jnp.mean((out.astype(jnp.float32) - batch[1]) ** 2)
+
+    return loss_fn, variables, (x, y)
+
+
+def test_localizer_names_the_middle_layer_and_where_underflow_starts(tmp_path):
+    loss_fn, variables, batch = _middle_case()
+    report = lsj.diagnose(loss_fn, variables, [batch], print_table=False)
+    names = [t.name for t in report.taps]
+    assert names == ["embed", "middle", "head", "MiddleOverflows"]  # forward order
+    middle = report.taps[1]
+
+    # forward: float32 model's own intermediates (Flax's capture_intermediates)
+    _, state = MiddleOverflows(dtype=jnp.float32).apply(
+        variables, batch[0], capture_intermediates=True, mutable=["intermediates"]
+    )
+    inter = state["intermediates"]
+    for t in report.taps[:3]:
+        (out,) = inter[t.name]["__call__"]
+        np.testing.assert_allclose(t.forward_max_reference, np.abs(out).max(), rtol=1e-5)
+    assert middle.forward_overflows and middle.forward_max == np.inf
+    assert not any(t.forward_overflows for t in report.taps if t.name != "middle")
+
+    # backward: d loss / d (middle's output) of the float32 model, by a zero perturbation
+    def with_eps(eps):
+        def add(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            return out + eps if context.module.name == "middle" else out
+
+        with nn.intercept_methods(add):
+            return loss_fn(variables, batch, jnp.float32)
+
+    ct = np.abs(np.asarray(jax.grad(with_eps)(jnp.zeros((64, 32)))))
+    np.testing.assert_allclose(middle.backward_max, ct.max(), rtol=1e-5)
+    nz = ct[ct > 0]
+    np.testing.assert_allclose(middle.underflow_unscaled, np.mean(nz < 2.0**-14), rtol=1e-6)
+    at = np.mean(nz * report.recommended_scale < 2.0**-14)
+    np.testing.assert_allclose(middle.underflow_at_recommended, at, rtol=1e-6)
+
+    # the verdict names the module, and where the gradient starts to underflow
+    assert "the float16 forward pass overflows first at middle" in report.verdict
+    assert "keep middle in float32" in report.verdict
+    assert "start to underflow at middle" in report.verdict
+    table = report.table()
+    assert "activations and their gradients" in table and "OVERFLOWS" in table
+    fig = report.plot(tmp_path / "localizer.png")
+    labels = [t.get_text() for t in fig.axes[2].get_yticklabels()]
+    assert labels == list(reversed(names))
+
+
+def test_localizer_can_be_turned_off_or_narrowed():
+    loss_fn, variables, batch = _middle_case()
+    off = lsj.diagnose(loss_fn, variables, [batch], print_table=False, localize=False)
+    assert off.taps == () and "middle" not in off.verdict
+    only = lsj.diagnose(
+        loss_fn,
+        variables,
+        [batch],
+        print_table=False,
+        modules=lambda m: m.name in ("embed", "middle"),
+    )
+    assert [t.name for t in only.taps] == ["embed", "middle"]
+    with pytest.raises(TypeError, match="modules must be a bool or a predicate"):
+        lsj.diagnose(loss_fn, variables, [batch], print_table=False, modules="all")
