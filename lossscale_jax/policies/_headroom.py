@@ -54,10 +54,17 @@ class HeadroomScale(LossScalePolicy):
     needed at least), so the scale comes back to the overflowing one only as
     that peak decays, never at once. It never raises the scale to
     find out whether a larger one is safe, so a run at its ceiling does not
-    skip a step every ``growth_interval`` as ``DynamicScale`` does. Where the
-    parameter gradients say nothing about the ceiling (a float16 loss, whose
-    cotangent is the scale itself, overflows at 2**16 whatever the gradients),
-    it probes like ``DynamicScale`` with ``growth_interval=margin_interval``.
+    skip a step every ``growth_interval`` as ``DynamicScale`` does.
+
+    It keeps room for what the check measures: the parameter gradients, and
+    the taps when the step passes them (``tx.update(..., taps=stats)`` from
+    ``lsj.taps.value_and_grad``; each tap against its own dtype's largest
+    value). Where the parameter gradients say nothing about the ceiling it
+    cannot see it: a float16 loss, whose cotangent is the scale itself,
+    overflows at 2**16 whatever the gradients show; without taps the policy
+    then overflows and widens its margin one octave at a time, and can run
+    many octaves below the ceiling. ``lsj.scale_loss`` taps the loss, so with
+    taps that ceiling is measured like any other (docs/core.md has the numbers).
 
     Rule (one step; ``overflow`` and ``amax`` already reduced across devices)::
 

@@ -24,6 +24,7 @@ Usage::
 
     python tests/soak/fault_soak.py --steps 10000          # every mode
     python tests/soak/fault_soak.py --steps 10000 --policy headroom
+    python tests/soak/fault_soak.py --steps 10000 --policy headroom_taps   # uncapped, taps
 """
 
 from __future__ import annotations
@@ -67,10 +68,17 @@ MAX_FAULTS = 3  # faults per faulty step, at most
 SHAPES = {"b1": (16,), "b2": (4,), "w1": (8, 16), "w2": (16, 4)}  # sorted, as jax flattens
 
 
-POLICY_NAMES = ("dynamic", "headroom")
+POLICY_NAMES = ("dynamic", "headroom", "headroom_taps")
 
 
 def make_policy(mode: str, name: str = "dynamic") -> lsj.LossScalePolicy:
+    if name == "headroom_taps":
+        # The same, uncapped (max_scale 2**24): the step hands it the taps (the float16
+        # loss, tapped by scale_loss), whose range shows the ceiling the parameter
+        # gradients do not, so no cap is needed to keep the backward pass finite.
+        return lsj.HeadroomScale(
+            init_scale=2.0**10, min_margin=3, max_margin=6, margin_interval=25, window=10
+        )
     if name == "headroom":
         # A short memory and margin interval, so bursts widen the margin, drive the scale to
         # its floor, and it recovers within the run. The cap keeps this MLP's own float16
@@ -186,6 +194,7 @@ def reference_headroom_scales(
 def build(mode: str, steps: int, seed: int = 0, policy_name: str = "dynamic"):
     """The jitted scan over ``steps`` steps and its inputs."""
     policy = make_policy(mode, policy_name)
+    use_taps = policy_name == "headroom_taps"
     tx = lsj.loss_scaling(optax.adam(1e-3), policy, overflow=mode)
     key = jax.random.PRNGKey(seed)
     params = {
@@ -197,7 +206,10 @@ def build(mode: str, steps: int, seed: int = 0, policy_name: str = "dynamic"):
 
     def loss_fn(p16, x, y):
         h = jnp.tanh(x @ p16["w1"] + p16["b1"])
-        return jnp.mean((h @ p16["w2"] + p16["b2"] - y) ** 2).astype(jnp.float32)
+        loss16 = jnp.mean((h @ p16["w2"] + p16["b2"] - y) ** 2)
+        # With taps, scale_loss is given the float16 loss itself (it promotes it), so its
+        # tap sees the float16 cotangent, the scale.
+        return loss16 if use_taps else loss16.astype(jnp.float32)
 
     def inject(grads, leaf, pos, kind):
         names = list(SHAPES)
@@ -216,15 +228,25 @@ def build(mode: str, steps: int, seed: int = 0, policy_name: str = "dynamic"):
         x = jax.random.normal(k, (32, 8), jnp.float16)
         y = jnp.sin(x[:, :4])
         p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
-        grads = jax.grad(lambda p: lsj.scale_loss(loss_fn(p, x, y), opt_state))(p16)
+        def scaled(p):
+            return lsj.scale_loss(loss_fn(p, x, y), opt_state)
+
+        extra = {}
+        if use_taps:
+            _, grads, extra["taps"] = lsj.taps.value_and_grad(scaled)(p16)
+        else:
+            grads = jax.grad(scaled)(p16)
         natural = lsj.check_overflow(grads, mode)
         grads = inject(dict(grads), leaf, pos, kind)
         scale = opt_state.loss_scale.scale
-        # The range HeadroomScale reads, measured here on its own (not the library's pass).
-        amax = jnp.max(
-            jnp.stack([jnp.max(jnp.abs(g.astype(jnp.float32))) for g in grads.values()])
-        ) / (scale * jnp.float32(65504.0))
-        updates, new_opt = tx.update(grads, opt_state, params)
+        # The range HeadroomScale reads, measured here on its own (not the library's pass):
+        # with taps, also the loss's cotangent, the scale in float16.
+        parts = [jnp.max(jnp.abs(g.astype(jnp.float32))) for g in grads.values()]
+        if use_taps:
+            parts.append(jnp.abs(scale.astype(jnp.float16).astype(jnp.float32)))
+            natural = jnp.logical_or(natural, jnp.logical_not(scale < 65520.0))
+        amax = jnp.max(jnp.stack(parts)) / (scale * jnp.float32(65504.0))
+        updates, new_opt = tx.update(grads, opt_state, params, **extra)
         new_params = optax.apply_updates(params, updates)
         ls = new_opt.loss_scale
         out = {
