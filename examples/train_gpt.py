@@ -28,7 +28,8 @@ seeds, initial weights and batches for all of them:
 - ``fp16_dynamic``: float16 with ``DynamicScale(init_scale=2**19,
   growth_interval=25, backoff_factor=0.25, max_scale=inf)``;
 - ``fp16_headroom``: float16 with ``HeadroomScale(max_scale=inf)``: the scale set
-  from the gradients' measured range, one octave below it, without probing overflows.
+  from the measured range of the gradients and of the activation gradients at the
+  blocks' outputs (``lsj.taps``), one octave below it, without probing overflows.
 
 float16 means: the matmuls run in float16 on a float16 copy of the float32
 master weights, LayerNorm statistics and the attention softmax in float32 (as
@@ -138,6 +139,7 @@ class Config:
     name: str
     dtype: Any
     policy: lsj.LossScalePolicy
+    taps: bool = False  # the step hands the blocks' taps (lsj.taps) to the policy
 
 
 STATIC_SCALE = 2.0**10
@@ -165,7 +167,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("fp16", F16, lsj.NoScale()),
     Config("fp16_static", F16, lsj.StaticScale(STATIC_SCALE)),
     Config("fp16_dynamic", F16, DYNAMIC),
-    Config("fp16_headroom", F16, HEADROOM),
+    Config("fp16_headroom", F16, HEADROOM, taps=True),
 )
 
 
@@ -358,11 +360,31 @@ def gradients(loss_fn, dtype, params, tokens, offsets, weight, loss_scale):
     return jax.grad(scaled_loss, has_aux=True)(cast(params, dtype))
 
 
+def tapped(module: nn.Module) -> bool:
+    """The modules whose outputs are tapped: each block, and the model (the logits)."""
+    return isinstance(module, Block | GPT)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def tapped_gradients(loss_fn, dtype, params, tokens, offsets, weight, loss_scale):
+    """``(grads, loss, taps)``: ``gradients`` and the statistics of the activation
+    gradients at every block's output and the logits (``lsj.taps``)."""
+    batch = windows(tokens, offsets)
+
+    def scaled_loss(p):
+        loss = loss_fn(p, batch)
+        return lsj.scale_loss(loss * weight, loss_scale), loss
+
+    grad_fn = lsj.taps.value_and_grad(scaled_loss, has_aux=True, modules=tapped)
+    (_, loss), grads, taps = grad_fn(cast(params, dtype))
+    return grads, loss, taps
+
+
 @jax.jit
-def apply_gradients(state: lsj.TrainState, grads: Any):
+def apply_gradients(state: lsj.TrainState, grads: Any, taps: Any = None):
     """One optimizer step: ``(state, the scale it used, whether it was skipped)``."""
     scale = lsj.get_loss_scale_state(state.opt_state).scale
-    state = state.apply_gradients(grads=grads)
+    state = state.apply_gradients(grads=grads, taps=taps)
     return state, scale, lsj.get_loss_scale_state(state.opt_state).last_skipped
 
 
@@ -445,6 +467,16 @@ def run(
     }
     loss_fn = loss_function(vocab)
 
+    def stats_shape(config):  # the taps' shapes, for compiling ahead of the first step
+        if not config.taps:
+            return ()
+        return (
+            jax.eval_shape(
+                functools.partial(tapped_gradients, loss_fn, config.dtype),
+                *(p0, tokens, offs0, w0, unscaled),
+            )[2],
+        )
+
     def new_state(config, seed):
         tx = make_tx(config, steps)
         return lsj.TrainState.create(apply_fn=loss_fn, params=params[seed], tx=tx)
@@ -459,7 +491,15 @@ def run(
             for d in dtypes
             if d != F32
         ]
-        + [apply_gradients.lower(new_state(c, 0), cast(p0, c.dtype)) for c in CONFIGS]
+        + [
+            tapped_gradients.lower(loss_fn, c.dtype, p0, tokens, offs0, w0, unscaled)
+            for c in CONFIGS
+            if c.taps
+        ]
+        + [
+            apply_gradients.lower(new_state(c, 0), cast(p0, c.dtype), *stats_shape(c))
+            for c in CONFIGS
+        ]
         + [lost_entries.lower(cast(p0, d), p0) for d in dtypes if d != F32]
         + [
             evaluate.lower(loss_fn, p0, val_inputs, val_targets),
@@ -487,13 +527,21 @@ def run(
                 state, h = states[i], hist[i]
                 loss_scale = lsj.get_loss_scale_state(state.opt_state)
                 args = (state.params, tokens, offsets[seed][t], weights[i])
-                grads, loss = gradients(loss_fn, config.dtype, *args, loss_scale)
+                if config.taps:
+                    grads, loss, taps = tapped_gradients(
+                        loss_fn, config.dtype, *args, loss_scale
+                    )
+                else:
+                    (grads, loss), taps = (
+                        gradients(loss_fn, config.dtype, *args, loss_scale),
+                        None,
+                    )
                 if t % probe_every == 0 and config.dtype != F32:
                     reference, _ = gradients(loss_fn, F32, *args, unscaled)
                     lost, nonzero = lost_entries(grads, reference)
                     h["lost"].append(lost)
                     h["nonzero"].append(nonzero)
-                states[i], scale, skipped = apply_gradients(state, grads)
+                states[i], scale, skipped = apply_gradients(state, grads, taps)
                 h["loss"].append(loss)
                 h["scale"].append(scale)
                 h["skipped"].append(skipped)
@@ -549,6 +597,7 @@ def diagnose_model(quick: bool = False) -> lsj.Diagnosis:
         scale=DYNAMIC.init_scale,
         scales=scales,
         print_table=False,
+        modules=tapped,
     )
 
 
