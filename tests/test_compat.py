@@ -642,7 +642,7 @@ def test_flax_dynamic_scale_matches_flax(seq, config):
         )
         | config
     )
-    scale, skip, _ = ours(compat.flax.DynamicScale(**full), seq)
+    scale, skip, _ = ours(compat.flax.dynamic_scale_policy(**full), seq)
     run = _flax_runner(
         full["growth_factor"],
         full["backoff_factor"],
@@ -656,7 +656,7 @@ def test_flax_dynamic_scale_matches_flax(seq, config):
 
 def test_flax_grows_one_step_later_than_torch():
     seq = np.zeros(4, bool)
-    flax_scale, _, _ = ours(compat.flax.DynamicScale(growth_interval=2, scale=8.0), seq)
+    flax_scale, _, _ = ours(compat.flax.dynamic_scale_policy(growth_interval=2, scale=8.0), seq)
     torch_scale, _, _ = ours(compat.torch.GradScaler(init_scale=8.0, growth_interval=2), seq)
     np.testing.assert_array_equal(torch_scale, [8, 16, 16, 32])
     np.testing.assert_array_equal(flax_scale, [8, 8, 16, 16])
@@ -768,8 +768,8 @@ def test_flax_grows_one_step_later_than_torch():
             "initial_dynamic_scale is not an argument of FP16_UnfusedOptimizer",
         ),
         (lambda: compat.keras.LossScaleOptimizer(optax.sgd(1.0), foo=1), "arguments: `foo`"),
-        (lambda: compat.flax.DynamicScale(growth_interval=-1), "growth_interval"),
-        (lambda: compat.flax.DynamicScale(backoff_factor=2.0), "backoff_factor"),
+        (lambda: compat.flax.dynamic_scale_policy(growth_interval=-1), "growth_interval"),
+        (lambda: compat.flax.dynamic_scale_policy(backoff_factor=2.0), "backoff_factor"),
     ],
 )
 def test_constructors_reject_bad_arguments(build, match):
