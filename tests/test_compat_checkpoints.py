@@ -374,7 +374,7 @@ def test_jmp_dynamic_loss_scale_round_trip():
             got = compat.jmp.export_state(policy, s)
             assert float(got["loss_scale"]) == float(jmp_steps[k + j].loss_scale)
             assert int(got["counter"]) == int(jmp_steps[k + j].counter)
-    policy = compat.jmp.DynamicLossScale(jnp.float32(2.0**10), 0, 3, 2, 4.0)
+    policy = compat.jmp.dynamic_loss_scale_policy(jnp.float32(2.0**10), 0, 3, 2, 4.0)
     ours = _continue(policy, policy.init(), SEQ)
     ls = real_jmp.DynamicLossScale(**compat.jmp.export_state(policy, ours[11]))
     for j, want in enumerate(_jmp_run(ls, SEQ[12:])):
