@@ -68,6 +68,7 @@ def _program(jmp):
     return out
 
 
+@pytest.mark.slow
 def test_jmp_program_bit_identical_with_the_import_changed():
     theirs, ours = _program(real_jmp), _program(our_jmp)
     for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
@@ -112,6 +113,7 @@ def test_casts_and_half_dtype_match_jmp():
     assert_bits_equal(our_jmp.cast_to_half(tree), real_jmp.cast_to_half(tree))
 
 
+@pytest.mark.slow
 def test_static_and_no_op_loss_scales_match_jmp():
     tree = {"a": jnp.array([1.0, 3.0], jnp.float32), "b": jnp.array(2.0, jnp.float16)}
     for ours, theirs in [
