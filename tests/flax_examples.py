@@ -102,7 +102,9 @@ def compute_metrics(logits, labels):
 
 def create_learning_rate_fn(base_learning_rate, steps_per_epoch, warmup_epochs=1, num_epochs=4):
     warmup_fn = optax.linear_schedule(
-        init_value=0.0, end_value=base_learning_rate, transition_steps=warmup_epochs * steps_per_epoch
+        init_value=0.0,
+        end_value=base_learning_rate,
+        transition_steps=warmup_epochs * steps_per_epoch,
     )
     cosine_epochs = max(num_epochs - warmup_epochs, 1)
     cosine_fn = optax.cosine_decay_schedule(
@@ -273,9 +275,7 @@ def wmt_train_step(state, batch, learning_rate_fn, label_smoothing=0.1, dropout_
         logits = TinyTransformer().apply(
             {"params": params}, inputs, targets, rngs={"dropout": dropout_rng}
         )
-        loss, weight_sum = compute_weighted_cross_entropy(
-            logits, targets, weights, label_smoothing
-        )
+        loss, weight_sum = compute_weighted_cross_entropy(logits, targets, weights, label_smoothing)
         mean_loss = loss / weight_sum
         return mean_loss, logits
 
@@ -333,9 +333,7 @@ def wmt_setup(dynamic_scale_lib, learning_rate_fn):
     # float16 cannot hold: its forward pass overflows.
     emb = params["shared_embedding"]["embedding"]
     params["shared_embedding"]["embedding"] = emb.at[VOCAB - 1].set(1e5)
-    optimizer = optax.adamw(
-        learning_rate_fn, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0
-    )
+    optimizer = optax.adamw(learning_rate_fn, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0)
     state = WmtTrainState.create(
         apply_fn=model.apply,
         params=params,

@@ -744,7 +744,10 @@ def test_flax_grows_one_step_later_than_torch():
         (lambda: compat.mindspore.FixedLossScaleManager(0.5), "loss_scale must be >= 1"),
         (lambda: compat.jmp.dynamic_loss_scale_policy(jnp.ones(3)), "loss_scale"),
         (lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, period=0), "period"),
-        (lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, period=5.5), "period must be a whole"),
+        (
+            lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, period=5.5),
+            "period must be a whole",
+        ),
         (
             lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, 5, period=5),
             r"counter must be in \[0, period\)",

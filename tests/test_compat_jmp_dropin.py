@@ -83,8 +83,18 @@ def test_jmp_program_bit_identical_with_the_import_changed():
 
 @pytest.mark.parametrize(
     "name",
-    ["f32", "full", "f16", "half", "bf16", "c=f16", "p=f16,c=f16", "p=f16,c=bf16",
-     "params=f32,compute=f16,output=f32", "c=half,o=full"],
+    [
+        "f32",
+        "full",
+        "f16",
+        "half",
+        "bf16",
+        "c=f16",
+        "p=f16,c=f16",
+        "p=f16,c=bf16",
+        "params=f32,compute=f16,output=f32",
+        "c=half,o=full",
+    ],
 )
 def test_get_policy_matches_jmp(name):
     ours, theirs = our_jmp.get_policy(name), real_jmp.get_policy(name)

@@ -3,7 +3,7 @@
 Upstream: ``jmp/_src/loss_scale_test.py`` (jmp 0.0.4, class ``LossScaleTest``). Every test below
 names the upstream test it ports and keeps upstream's arguments and expected numbers; a
 ``jmp.DynamicLossScale(...)``/``.adjust(grads_finite)`` becomes
-``compat.jmp.dynamic_loss_scale_policy(...)``/``policy.adjust(state, overflow=not grads_finite)``, and
+``compat.jmp.dynamic_loss_scale_policy(...)``/``policy.adjust(state, not grads_finite)``, and
 jmp's ``loss_scale``/``counter`` fields are the state's ``scale``/``growth_count``. Where this
 library differs on purpose the test asserts the documented behaviour (docs/porting.md, "The
 peers' own tests").

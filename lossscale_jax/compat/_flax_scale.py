@@ -1,4 +1,4 @@
-"""The Flax-shaped ``DynamicScale`` object: a pytree with ``value_and_grad``, ``scale``, ``fin_steps``.
+"""The Flax-shaped ``DynamicScale``: a pytree with ``value_and_grad``, ``scale``, ``fin_steps``.
 
 Flax code that keeps the object in its ``TrainState`` and calls
 ``dynamic_scale.value_and_grad(loss_fn, has_aux=True, axis_name="batch")`` runs with
@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -237,7 +238,9 @@ class DynamicScale:
             if axis_name is not None:
                 grad = jax.lax.pmean(grad, axis_name)
             check = engine.check(grad, jnp.asarray(scale, jnp.float32), None)
-            state = initial_state(scale).replace(growth_count=jnp.asarray(self.fin_steps, jnp.int32))
+            state = initial_state(scale).replace(
+                growth_count=jnp.asarray(self.fin_steps, jnp.int32)
+            )
             new, _ = engine.decide(state, check)
             new_self = self.replace(fin_steps=new.growth_count, scale=new.scale)
             return DynamicScaleResult(new_self, jnp.logical_not(check.overflow), value, grad)

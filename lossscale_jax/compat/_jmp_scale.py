@@ -14,6 +14,7 @@ import functools
 from typing import Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -176,15 +177,19 @@ class NoOpLossScale:
 
     @property
     def loss_scale(self) -> int:
+        """1."""
         return 1
 
     def scale(self, tree: T) -> T:
+        """``tree`` itself."""
         return tree
 
     def unscale(self, tree: T) -> T:
+        """``tree`` itself."""
         return tree
 
     def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
+        """This object: nothing to adjust."""
         del grads_finite
         return self
 
@@ -207,13 +212,16 @@ class StaticLossScale:
         object.__setattr__(self, "loss_scale", _as(self.loss_scale, jnp.float32))
 
     def scale(self, tree: T) -> T:
+        """Every leaf of ``tree`` times ``loss_scale``."""
         return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
 
     def unscale(self, tree: T) -> T:
+        """Every leaf of ``tree`` times ``1 / loss_scale``."""
         inv_loss_scale = 1 / self.loss_scale
         return jax.tree_util.tree_map(lambda x: x * inv_loss_scale, tree)
 
     def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
+        """This object: a static scale does not move."""
         del grads_finite
         return self
 
@@ -282,15 +290,17 @@ class DynamicLossScale:
 
     @property
     def policy(self) -> policies.DynamicScale:
-        """The rule as a policy (``compat.jmp.dynamic_loss_scale_policy``) for ``lsj.loss_scaling``."""
+        """The rule as a policy (``dynamic_loss_scale_policy``), for ``lsj.loss_scaling``."""
         return dynamic_loss_scale_policy(
             self.loss_scale, self.counter, self.period, self.factor, self.min_loss_scale
         )
 
     def scale(self, tree: T) -> T:
+        """Every leaf of ``tree`` times ``loss_scale``."""
         return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
 
     def unscale(self, tree: T) -> T:
+        """Every leaf of ``tree`` times ``1 / loss_scale``."""
         inv_loss_scale = 1 / self.loss_scale
         return jax.tree_util.tree_map(lambda x: x * inv_loss_scale, tree)
 
