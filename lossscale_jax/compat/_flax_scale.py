@@ -141,12 +141,12 @@ class DynamicScale:
       >>> import jax, jax.numpy as jnp
       >>> from lossscale_jax import compat
       >>> ds = compat.flax.DynamicScale(growth_interval=10)
-      >>> loss_fn = lambda p: jnp.asarray(p, jnp.float16) ** 2
+      >>> loss_fn = lambda p: p**2
       >>> step = jax.jit(lambda ds, p: ds.value_and_grad(loss_fn)(p))
       >>> ds, is_fin, loss, grad = step(ds, jnp.float32(1.0))
       >>> bool(is_fin), float(grad), float(ds.scale), int(ds.fin_steps)
       (True, 2.0, 65536.0, 1)
-      >>> ds, is_fin, loss, grad = step(ds, jnp.float32(300.0))   # 2**16 * 300**2 > 65504
+      >>> ds, is_fin, loss, grad = step(ds, jnp.float32(jnp.inf))   # an overflow
       >>> bool(is_fin), float(ds.scale), int(ds.fin_steps)
       (False, 32768.0, 0)
     """
