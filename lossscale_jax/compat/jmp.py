@@ -33,7 +33,7 @@ from lossscale_jax.compat._jmp_policy import (
 )
 from lossscale_jax.compat._jmp_scale import (
     DynamicLossScale,
-    LossScale,
+    LossScale,  # noqa: F401  (jmp's type alias; not in __all__, which the API pages list)
     NoOpLossScale,
     StaticLossScale,
     all_finite,
@@ -46,7 +46,6 @@ from lossscale_jax.policies import LossScalePolicy, LossScaleState, StaticScale
 
 __all__ = [
     "DynamicLossScale",
-    "LossScale",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
