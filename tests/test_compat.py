@@ -584,7 +584,7 @@ def _run_jmp(loss_scale, period, factor, min_loss_scale, flags):
 @given(seq=sequences, config=st.sampled_from(JMP_CONFIGS))
 def test_jmp_dynamic_loss_scale_matches_jmp(seq, config):
     loss_scale, period, factor, min_ls = config
-    policy = compat.jmp.DynamicLossScale(
+    policy = compat.jmp.dynamic_loss_scale_policy(
         jnp.asarray(loss_scale),
         period=period,
         factor=factor,
@@ -642,7 +642,7 @@ def test_flax_dynamic_scale_matches_flax(seq, config):
         )
         | config
     )
-    scale, skip, _ = ours(compat.flax.DynamicScale(**full), seq)
+    scale, skip, _ = ours(compat.flax.dynamic_scale_policy(**full), seq)
     run = _flax_runner(
         full["growth_factor"],
         full["backoff_factor"],
@@ -656,7 +656,7 @@ def test_flax_dynamic_scale_matches_flax(seq, config):
 
 def test_flax_grows_one_step_later_than_torch():
     seq = np.zeros(4, bool)
-    flax_scale, _, _ = ours(compat.flax.DynamicScale(growth_interval=2, scale=8.0), seq)
+    flax_scale, _, _ = ours(compat.flax.dynamic_scale_policy(growth_interval=2, scale=8.0), seq)
     torch_scale, _, _ = ours(compat.torch.GradScaler(init_scale=8.0, growth_interval=2), seq)
     np.testing.assert_array_equal(torch_scale, [8, 16, 16, 32])
     np.testing.assert_array_equal(flax_scale, [8, 8, 16, 16])
@@ -742,15 +742,18 @@ def test_flax_grows_one_step_later_than_torch():
         (lambda: compat.mindspore.DynamicLossScaleManager(scale_factor=0), "scale_factor"),
         (lambda: compat.mindspore.DynamicLossScaleManager(scale_window=0), "scale_window"),
         (lambda: compat.mindspore.FixedLossScaleManager(0.5), "loss_scale must be >= 1"),
-        (lambda: compat.jmp.DynamicLossScale(jnp.ones(3)), "loss_scale"),
-        (lambda: compat.jmp.DynamicLossScale(2.0**15, period=0), "period"),
-        (lambda: compat.jmp.DynamicLossScale(2.0**15, period=5.5), "period must be a whole"),
+        (lambda: compat.jmp.dynamic_loss_scale_policy(jnp.ones(3)), "loss_scale"),
+        (lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, period=0), "period"),
         (
-            lambda: compat.jmp.DynamicLossScale(2.0**15, 5, period=5),
+            lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, period=5.5),
+            "period must be a whole",
+        ),
+        (
+            lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, 5, period=5),
             r"counter must be in \[0, period\)",
         ),
         (
-            lambda: compat.jmp.DynamicLossScale(2.0**15, min_loss_scale=-1.0),
+            lambda: compat.jmp.dynamic_loss_scale_policy(2.0**15, min_loss_scale=-1.0),
             "min_loss_scale must be >= 0",
         ),
         (
@@ -768,8 +771,8 @@ def test_flax_grows_one_step_later_than_torch():
             "initial_dynamic_scale is not an argument of FP16_UnfusedOptimizer",
         ),
         (lambda: compat.keras.LossScaleOptimizer(optax.sgd(1.0), foo=1), "arguments: `foo`"),
-        (lambda: compat.flax.DynamicScale(growth_interval=-1), "growth_interval"),
-        (lambda: compat.flax.DynamicScale(backoff_factor=2.0), "backoff_factor"),
+        (lambda: compat.flax.dynamic_scale_policy(growth_interval=-1), "growth_interval"),
+        (lambda: compat.flax.dynamic_scale_policy(backoff_factor=2.0), "backoff_factor"),
     ],
 )
 def test_constructors_reject_bad_arguments(build, match):
@@ -851,7 +854,7 @@ def test_tolerant_dynamic_scale_traces_once_and_keeps_dtypes():
         compat.npu.ExponentialUpdateLossScaleManager(2.0**32, 3),
         compat.deepspeed.fp16_optimizer_policy(dynamic_loss_scale=True),
         compat.apex.update_scale_hysteresis(2.0**16, 1.0, 0.5, 3, 2),
-        compat.jmp.DynamicLossScale(2.0**15, 2, period=3),
+        compat.jmp.dynamic_loss_scale_policy(2.0**15, 2, period=3),
     ],
     ids=["npu", "deepspeed_fp16", "apex_kernel", "jmp_counter"],
 )

@@ -330,7 +330,7 @@ def test_flax_dynamic_scale_round_trip():
             assert float(got["scale"]) == float(flax_steps[k + j].scale)
             assert int(got["fin_steps"]) == int(flax_steps[k + j].fin_steps)
     # Exported into a Flax DynamicScale mid-run, Flax continues as this library does.
-    policy = compat.flax.DynamicScale(growth_interval=3, scale=2.0**10)
+    policy = compat.flax.dynamic_scale_policy(growth_interval=3, scale=2.0**10)
     ours = _continue(policy, policy.init(), SEQ)
     ds = flax_dynamic_scale.DynamicScale(**compat.flax.export_state(policy, ours[11]))
     for j, f in enumerate(SEQ[12:]):
@@ -374,7 +374,7 @@ def test_jmp_dynamic_loss_scale_round_trip():
             got = compat.jmp.export_state(policy, s)
             assert float(got["loss_scale"]) == float(jmp_steps[k + j].loss_scale)
             assert int(got["counter"]) == int(jmp_steps[k + j].counter)
-    policy = compat.jmp.DynamicLossScale(jnp.float32(2.0**10), 0, 3, 2, 4.0)
+    policy = compat.jmp.dynamic_loss_scale_policy(jnp.float32(2.0**10), 0, 3, 2, 4.0)
     ours = _continue(policy, policy.init(), SEQ)
     ls = real_jmp.DynamicLossScale(**compat.jmp.export_state(policy, ours[11]))
     for j, want in enumerate(_jmp_run(ls, SEQ[12:])):

@@ -3,7 +3,7 @@
 Upstream: ``jmp/_src/loss_scale_test.py`` (jmp 0.0.4, class ``LossScaleTest``). Every test below
 names the upstream test it ports and keeps upstream's arguments and expected numbers; a
 ``jmp.DynamicLossScale(...)``/``.adjust(grads_finite)`` becomes
-``compat.jmp.DynamicLossScale(...)``/``policy.adjust(state, overflow=not grads_finite)``, and
+``compat.jmp.dynamic_loss_scale_policy(...)``/``policy.adjust(state, not grads_finite)``, and
 jmp's ``loss_scale``/``counter`` fields are the state's ``scale``/``growth_count``. Where this
 library differs on purpose the test asserts the documented behaviour (docs/porting.md, "The
 peers' own tests").
@@ -25,7 +25,7 @@ from lossscale_jax import compat
 
 def test_no_op_loss_scale():
     # Upstream: test_no_op_loss_scale (scale/unscale return the tree itself).
-    state = compat.jmp.NoOpLossScale().init()
+    state = compat.jmp.no_op_loss_scale_policy().init()
     tree = {"a": jnp.ones([])}
     assert float(lsj.scale_loss(tree["a"], state)) == 1.0
     np.testing.assert_array_equal(lsj.unscale(tree, state.scale)["a"], tree["a"])
@@ -34,12 +34,12 @@ def test_no_op_loss_scale():
 @pytest.mark.parametrize(
     "cls, scale",
     [
-        (compat.jmp.StaticLossScale, 2),
-        (compat.jmp.StaticLossScale, 3),
-        (compat.jmp.StaticLossScale, 4),
-        (compat.jmp.DynamicLossScale, 2.0),
-        (compat.jmp.DynamicLossScale, 3.0),
-        (compat.jmp.DynamicLossScale, 4.0),
+        (compat.jmp.static_loss_scale_policy, 2),
+        (compat.jmp.static_loss_scale_policy, 3),
+        (compat.jmp.static_loss_scale_policy, 4),
+        (compat.jmp.dynamic_loss_scale_policy, 2.0),
+        (compat.jmp.dynamic_loss_scale_policy, 3.0),
+        (compat.jmp.dynamic_loss_scale_policy, 4.0),
     ],
 )
 def test_static_loss_scale(cls, scale):
@@ -56,17 +56,17 @@ def test_static_empty_trees():
     # Documented deviation: a static scale lives in the state as a traced float32 (a new value
     # does not recompile), so the state has leaves; and a scale of 0, which would zero every
     # gradient, is rejected.
-    assert jax.tree_util.tree_leaves(compat.jmp.NoOpLossScale().init())
-    assert jax.tree_util.tree_leaves(compat.jmp.StaticLossScale(4).init())
+    assert jax.tree_util.tree_leaves(compat.jmp.no_op_loss_scale_policy().init())
+    assert jax.tree_util.tree_leaves(compat.jmp.static_loss_scale_policy(4).init())
     with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
-        compat.jmp.StaticLossScale(0)
+        compat.jmp.static_loss_scale_policy(0)
 
 
 def test_dynamic_loss_scale_no_warnings():
     # Upstream: test_dynamic_loss_scale_no_warnings.
     with warnings.catch_warnings(record=True) as logged:
         warnings.simplefilter("always")
-        compat.jmp.DynamicLossScale(2.0**15)
+        compat.jmp.dynamic_loss_scale_policy(2.0**15)
     assert logged == []
 
 
@@ -78,7 +78,7 @@ def test_dynamic_loss_scale_tree():
     counter = jnp.zeros([], jnp.int32)
     period = 2000
     factor = 2
-    state = compat.jmp.DynamicLossScale(scale, counter, period, factor).init()
+    state = compat.jmp.dynamic_loss_scale_policy(scale, counter, period, factor).init()
     assert float(state.scale) == float(scale) and int(state.growth_count) == int(counter)
     leaves = jax.tree_util.tree_leaves(state)
     assert any(leaf is state.scale for leaf in leaves)
@@ -92,7 +92,7 @@ def test_dynamic_loss_scale_tree():
 @pytest.mark.parametrize("period, factor", [(20, 2), (30, 3)])
 def test_dynamic_loss_scale_adjust_increases_on_finite(period, factor):
     # Upstream: test_dynamic_loss_scale_adjust_increases_on_finite.
-    policy = compat.jmp.DynamicLossScale(jnp.float32(10), jnp.int32(0), period, factor)
+    policy = compat.jmp.dynamic_loss_scale_policy(jnp.float32(10), jnp.int32(0), period, factor)
     assert policy.growth_interval == period and policy.growth_factor == factor
     steps = run_policy(policy, [False] * period)
     for i in range(1, period):
@@ -112,7 +112,7 @@ _CAST = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeW
 def test_dynamic_loss_scale_adjust_reduce_on_non_finite(period, factor):
     # Upstream: test_dynamic_loss_scale_adjust_reduce_on_non_finite.
     init = np.float32(10)
-    policy = compat.jmp.DynamicLossScale(jnp.asarray(init), jnp.int32(0), period, factor)
+    policy = compat.jmp.dynamic_loss_scale_policy(jnp.asarray(init), jnp.int32(0), period, factor)
     assert init / (factor**100) < 1  # should cover max(1, S)
     steps = run_policy(policy, [True] * 100)
     for i in range(100):
@@ -128,7 +128,7 @@ def test_dynamic_loss_scale_explicit_min_loss_scale(period, factor, min_loss_sca
     # Upstream: test_dynamic_loss_scale_explicit_min_loss_scale (period=5. and min_loss_scale=0.
     # included: jmp accepts a whole float period and no floor).
     init = np.float32(10)
-    policy = compat.jmp.DynamicLossScale(
+    policy = compat.jmp.dynamic_loss_scale_policy(
         jnp.asarray(init), jnp.int32(0), period, factor, jnp.asarray(min_loss_scale)
     )
     assert init / (factor**100) < 1  # should cover max(1, S)
@@ -144,7 +144,7 @@ def test_dynamic_loss_scale_explicit_min_loss_scale(period, factor, min_loss_sca
 def test_dynamic_loss_scale_adjust_requires_scalar_input():
     # Upstream: test_dynamic_loss_scale_adjust_requires_scalar_input (its body is empty); the
     # requirement its name states holds here.
-    policy = compat.jmp.DynamicLossScale(jnp.float32(10))
+    policy = compat.jmp.dynamic_loss_scale_policy(jnp.float32(10))
     with pytest.raises(ValueError, match="overflow must be a scalar"):
         policy.adjust(policy.init(), jnp.array([True, False]))
 
@@ -155,7 +155,7 @@ def test_dynamic_loss_scale_raises_type_error_on_int_loss_scale():
     # always float32, so an integer scale is converted exactly and nothing is warned.
     with warnings.catch_warnings(record=True) as logged:
         warnings.simplefilter("always")
-        state = compat.jmp.DynamicLossScale(jnp.asarray(1, dtype=jnp.int32)).init()
+        state = compat.jmp.dynamic_loss_scale_policy(jnp.asarray(1, dtype=jnp.int32)).init()
     assert logged == [] and state.scale.dtype == jnp.float32 and float(state.scale) == 1.0
 
 
@@ -164,7 +164,7 @@ def test_dynamic_loss_scale_raises_type_error_on_int_min_loss_scale():
     # Documented deviation, as above: min_loss_scale is a float32 hyperparameter here.
     with warnings.catch_warnings(record=True) as logged:
         warnings.simplefilter("always")
-        policy = compat.jmp.DynamicLossScale(
+        policy = compat.jmp.dynamic_loss_scale_policy(
             jnp.asarray(1, dtype=jnp.float32), min_loss_scale=jnp.asarray(1, dtype=jnp.int32)
         )
     assert logged == [] and policy.min_scale == 1.0

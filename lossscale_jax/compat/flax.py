@@ -1,8 +1,10 @@
 """Flax (``flax/training/dynamic_scale.py``).
 
-``DynamicScale`` builds the policy; ``import_state``/``export_state`` convert
-a ``flax.training.dynamic_scale.DynamicScale`` (or its checkpointed fields)
-to and from a policy and state.
+``DynamicScale`` is the Flax-shaped object (a pytree with ``value_and_grad``):
+Flax code runs with it in place of Flax's, bit for bit. ``dynamic_scale_policy``
+is the same rule as a policy, for ``lsj.loss_scaling``. ``import_state``/
+``export_state`` convert a ``flax.training.dynamic_scale.DynamicScale`` (or its
+checkpointed fields) to and from a policy and state.
 """
 
 from __future__ import annotations
@@ -15,12 +17,10 @@ from lossscale_jax import policies
 from lossscale_jax.compat._common import (
     _F32_MAX,
     _TINY,
-    _build,
     _clip,
     _field,
     _has,
     _host,
-    _int,
     _number,
     _require_policy,
     _resumed,
@@ -28,58 +28,20 @@ from lossscale_jax.compat._common import (
     _saved_int,
     _saved_scale,
 )
+from lossscale_jax.compat._flax_scale import (
+    DynamicScale,
+    DynamicScaleResult,
+    dynamic_scale_policy,
+)
 from lossscale_jax.policies import LossScaleState
 
 __all__ = [
     "DynamicScale",
+    "DynamicScaleResult",
+    "dynamic_scale_policy",
     "import_state",
     "export_state",
 ]
-
-
-def DynamicScale(
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    scale: float = 65536.0,
-    minimum_scale: float | None = _TINY,
-) -> policies.DynamicScale:
-    """Flax's ``DynamicScale``; it grows one step later than the others.
-
-    Rule (``DynamicScale.value_and_grad``)::
-
-      grow = fin_steps == growth_interval
-      if finite:
-          if grow: scale = min(scale * growth_factor, float32 max)
-      else:
-          scale = max(scale * backoff_factor, minimum_scale)
-      fin_steps = 0 if grow or not finite else fin_steps + 1
-
-    The growth comes on the ``growth_interval + 1``-th good step, so this
-    is ``DynamicScale(growth_interval=growth_interval + 1)``, and a growth
-    past float32 clamps to its largest number (``growth_overflow="clamp"``).
-    ``minimum_scale=None`` (no floor) stops at ``2**-126`` here.
-
-    Examples:
-      >>> from lossscale_jax import compat
-      >>> compat.flax.DynamicScale(growth_interval=10).growth_interval
-      11
-    """
-    interval = _int("growth_interval", growth_interval)
-    if interval < 0:
-        raise ValueError(f"growth_interval must be >= 0, got {growth_interval!r}.")
-    lo = _TINY if minimum_scale is None else _number("minimum_scale", minimum_scale)
-    return _build(
-        policies.DynamicScale,
-        {"init_scale": "scale", "min_scale": "minimum_scale"},
-        init_scale=_number("scale", scale),
-        growth_factor=_number("growth_factor", growth_factor),
-        backoff_factor=_number("backoff_factor", backoff_factor),
-        growth_interval=interval + 1,
-        min_scale=lo,
-        max_scale=_F32_MAX,
-        growth_overflow="clamp",
-    )
 
 
 _FLAX_DEFAULTS = {
@@ -95,8 +57,8 @@ def import_state(dynamic_scale: Any) -> tuple[policies.DynamicScale, LossScaleSt
 
     Rule::
 
-      policy = compat.flax.DynamicScale(growth_factor, backoff_factor,
-                                        growth_interval, scale, minimum_scale)
+      policy = compat.flax.dynamic_scale_policy(growth_factor, backoff_factor,
+                                                growth_interval, scale, minimum_scale)
       state: growth_count = fin_steps
 
     Flax checkpoints hold only the array fields (``flax.serialization``
@@ -135,7 +97,7 @@ def import_state(dynamic_scale: Any) -> tuple[policies.DynamicScale, LossScaleSt
     lo = get("minimum_scale")
     lo = None if lo is None else _number("minimum_scale", _saved_array("minimum_scale", lo))
     scale = _saved_scale("scale", _field(dynamic_scale, "scale", what))
-    policy = DynamicScale(
+    policy = dynamic_scale_policy(
         growth_factor=_number("growth_factor", get("growth_factor")),
         backoff_factor=_number("backoff_factor", get("backoff_factor")),
         growth_interval=interval,
@@ -159,7 +121,7 @@ def export_state(policy: policies.DynamicScale, state: LossScaleState) -> dict[s
     Flax (put it in the ``TrainState``'s ``dynamic_scale``).
 
     Args:
-      policy: built by ``compat.flax.DynamicScale`` (or ``import_state``).
+      policy: built by ``compat.flax.dynamic_scale_policy`` (or ``import_state``).
       state: its ``LossScaleState``.
 
     Returns:
@@ -172,7 +134,7 @@ def export_state(policy: policies.DynamicScale, state: LossScaleState) -> dict[s
     Examples:
       >>> from flax.training.dynamic_scale import DynamicScale as FlaxDynamicScale
       >>> from lossscale_jax import compat
-      >>> p = compat.flax.DynamicScale(growth_interval=10, scale=256.0)
+      >>> p = compat.flax.dynamic_scale_policy(growth_interval=10, scale=256.0)
       >>> ds = FlaxDynamicScale(**compat.flax.export_state(p, p.init()))
       >>> ds.growth_interval, float(ds.scale), int(ds.fin_steps)
       (10, 256.0, 0)
@@ -181,16 +143,16 @@ def export_state(policy: policies.DynamicScale, state: LossScaleState) -> dict[s
     if not isinstance(policy, policies.DynamicScale):
         raise ValueError(
             f"policy {policy!r} has no Flax equivalent: export needs a policy built by "
-            "compat.flax.DynamicScale."
+            "compat.flax.dynamic_scale_policy."
         )
-    expected = DynamicScale(
+    expected = dynamic_scale_policy(
         growth_factor=policy.growth_factor,
         backoff_factor=policy.backoff_factor,
         growth_interval=policy.growth_interval - 1,
         scale=policy.init_scale,
         minimum_scale=policy.min_scale,
     )
-    _require_policy(policy, expected, "Flax", "compat.flax.DynamicScale")
+    _require_policy(policy, expected, "Flax", "compat.flax.dynamic_scale_policy")
     return {
         "growth_factor": float(policy.growth_factor),
         "backoff_factor": float(policy.backoff_factor),

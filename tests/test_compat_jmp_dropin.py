@@ -1,0 +1,153 @@
+"""``lossscale_jax.compat.jmp`` in place of ``jmp``: a jmp program runs unchanged, bit for bit.
+
+The program is jmp's documented loop (README, ``DynamicLossScale`` docstring): a policy from
+``get_policy``, the loss scaled, the gradients unscaled, ``all_finite``, ``adjust`` and
+``select_tree``, here with an Adam step on a small float16 MLP and overflows injected. It
+runs once with the real ``jmp`` module and once with ``compat.jmp``; every step's
+parameters, optimizer state, loss scale, counter and finite flag must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import jmp as real_jmp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_bits_equal  # noqa: I001  (tests/ is on sys.path under pytest)
+
+from lossscale_jax.compat import jmp as our_jmp
+
+STEPS = 16
+OVERFLOW = {2: np.inf, 5: 3.0e4, 6: np.nan, 11: np.inf}
+
+
+def _program(jmp):
+    """jmp's loop; ``jmp`` is the module a user imported."""
+    policy = jmp.get_policy("p=f32,c=f16,o=f32")
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**15), period=3)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (4, 8)), "w2": jax.random.normal(k2, (8, 1))}
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, loss_scale, x, y):
+        def loss_fn(p):
+            p, x16 = policy.cast_to_compute((p, x))
+            out = policy.cast_to_output(jnp.tanh(x16 @ p["w1"]) @ p["w2"])
+            return loss_scale.scale(jnp.mean((out - y) ** 2))
+
+        grads = policy.cast_to_param(jax.grad(loss_fn)(params))
+        grads = loss_scale.unscale(grads)
+        grads_finite = jmp.all_finite(grads)
+        loss_scale = loss_scale.adjust(grads_finite)
+        updates, new_opt_state = opt.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(
+            grads_finite, (new_params, new_opt_state), (params, opt_state)
+        )
+        return params, opt_state, loss_scale, grads_finite
+
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(STEPS):
+        x = rng.normal(size=(16, 4)).astype(np.float32)
+        if i in OVERFLOW:
+            x[0, 0] = OVERFLOW[i]
+        y = rng.normal(size=(16, 1)).astype(np.float32)
+        params, opt_state, loss_scale, finite = step(params, opt_state, loss_scale, x, y)
+        out.append(
+            jax.tree_util.tree_map(
+                np.asarray, (params, opt_state, loss_scale.loss_scale, loss_scale.counter, finite)
+            )
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_jmp_program_bit_identical_with_the_import_changed():
+    theirs, ours = _program(real_jmp), _program(our_jmp)
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        assert_bits_equal(a, b, f"step {i}")
+    finite = [bool(s[-1]) for s in ours]
+    # The injected steps skip (3e4 is finite in float16), and step 3, whose 2**14 still
+    # overflows the backward pass; the scale grows after 3 good steps in a row.
+    assert [i for i, f in enumerate(finite) if not f] == [2, 3, 6, 11]
+    scales = [float(s[2]) / 2**12 for s in ours]
+    assert scales == [8, 8, 4, 2, 2, 2, 1, 1, 1, 2, 2, 1, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "f32",
+        "full",
+        "f16",
+        "half",
+        "bf16",
+        "c=f16",
+        "p=f16,c=f16",
+        "p=f16,c=bf16",
+        "params=f32,compute=f16,output=f32",
+        "c=half,o=full",
+    ],
+)
+def test_get_policy_matches_jmp(name):
+    ours, theirs = our_jmp.get_policy(name), real_jmp.get_policy(name)
+    fields = ("param_dtype", "compute_dtype", "output_dtype")
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
+    assert str(ours) == str(theirs)
+    tree = {"a": jnp.ones(2), "b": np.ones(2, np.int32), "c": 1.0}
+    for cast in ("cast_to_param", "cast_to_compute", "cast_to_output"):
+        assert_bits_equal(getattr(ours, cast)(tree), getattr(theirs, cast)(tree), cast)
+    half = ours.with_output_dtype(jnp.float16)
+    assert half.output_dtype == jnp.float16 and dataclasses.is_dataclass(half)
+
+
+def test_get_policy_rejects_what_jmp_rejects():
+    for bad in ["x=f16", "p=f8", "f8"]:
+        with pytest.raises(ValueError):
+            real_jmp.get_policy(bad)
+        with pytest.raises(ValueError):
+            our_jmp.get_policy(bad)
+
+
+def test_casts_and_half_dtype_match_jmp():
+    tree = {"a": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2, jnp.int8)}
+    assert our_jmp.half_dtype() == real_jmp.half_dtype()
+    assert_bits_equal(our_jmp.cast_to_full(tree), real_jmp.cast_to_full(tree))
+    assert_bits_equal(our_jmp.cast_to_half(tree), real_jmp.cast_to_half(tree))
+
+
+@pytest.mark.slow
+def test_static_and_no_op_loss_scales_match_jmp():
+    tree = {"a": jnp.array([1.0, 3.0], jnp.float32), "b": jnp.array(2.0, jnp.float16)}
+    for ours, theirs in [
+        (our_jmp.StaticLossScale(jnp.float32(128.0)), real_jmp.StaticLossScale(jnp.float32(128.0))),
+        (our_jmp.NoOpLossScale(), real_jmp.NoOpLossScale()),
+        (our_jmp.DynamicLossScale(jnp.float32(3.0)), real_jmp.DynamicLossScale(jnp.float32(3.0))),
+    ]:
+        assert_bits_equal(ours.scale(tree), theirs.scale(tree))
+        assert_bits_equal(ours.unscale(tree), theirs.unscale(tree))
+        assert ours.adjust(jnp.array(False)).loss_scale is not None
+        assert float(np.asarray(ours.loss_scale)) == float(np.asarray(theirs.loss_scale))
+    for t in [{}, {"a": jnp.ones(2)}, {"a": jnp.array([1.0, jnp.nan])}, {"i": jnp.ones(2, int)}]:
+        assert bool(our_jmp.all_finite(t)) == bool(real_jmp.all_finite(t))
+    with pytest.raises(ValueError, match="pred"):
+        our_jmp.select_tree(jnp.ones(2, bool), tree, tree)
+
+
+def test_dynamic_loss_scale_object_keeps_min_loss_scale_through_jit():
+    # jmp's own flattening drops min_loss_scale (back to 1); here it is a static field.
+    ls = our_jmp.DynamicLossScale(jnp.float32(8.0), min_loss_scale=4.0)
+    ls = jax.jit(lambda ls: ls.adjust(jnp.array(False)).adjust(jnp.array(False)))(ls)
+    assert float(ls.loss_scale) == 4.0 and ls.min_loss_scale == 4.0
+    assert ls.policy == our_jmp.dynamic_loss_scale_policy(4.0, 0, 2000, 2, 4.0)
+    with pytest.raises(ValueError, match="period must be a whole"):
+        our_jmp.DynamicLossScale(8.0, period=5.5)
+    with pytest.raises(ValueError, match="counter must be in"):
+        our_jmp.DynamicLossScale(8.0, 5, 5)
