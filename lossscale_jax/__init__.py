@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lossscale_jax import _flax_serialization, errors, taps, testing
+from lossscale_jax import _flax_serialization, errors, layerwise, taps, testing
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
 from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orbax
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, diagnose
 from lossscale_jax.fused import apply_gradients
+from lossscale_jax.layerwise import layerwise_scaling
 from lossscale_jax.numerics import (
     check_overflow,
     check_overflow_and_range,
@@ -100,6 +101,8 @@ __all__ = [
     "diagnose",
     "errors",
     "get_loss_scale_state",
+    "layerwise",
+    "layerwise_scaling",
     "loss_scaling",
     "loss_scaling_multi_steps",
     "metrics",

@@ -121,9 +121,11 @@ def reduce_packed(
 
       if nothing but found:  return pmax(int32(found)) > 0           # one s32[]
       if no amax:            packed = int32([found, flags...])       # n + 1 values
-      else:                  packed = float32([found, amax, flags...])
+      else:                  packed = float32([found, amax..., flags...])
       packed = pmax(packed, axis_name)                               # one all-reduce
-      return packed[0] > 0, packed[1] (amax), packed[...] > 0 (flags)
+      return packed[0] > 0, packed[1:1+k] (amax), packed[...] > 0 (flags)
+
+    ``amax`` is a scalar or a vector (one per layer segment, under per-layer scaling).
 
     The flag is an element of its own, so an ``amax`` that is inf (an
     overflowing device) or nan (a corrupted scale) cannot stand for it.
@@ -135,14 +137,14 @@ def reduce_packed(
     dtype = jnp.int32 if amax is None else jnp.float32
     parts = [found.astype(dtype)[None]]
     if amax is not None:
-        parts.append(amax.astype(dtype)[None])
+        parts.append(amax.astype(dtype).reshape(-1))
     if flags is not None:
         parts.append(flags.astype(dtype))
     out = pmax(jnp.concatenate(parts), axis_name)
-    head = 1 if amax is None else 2
+    head = 1 if amax is None else 1 + amax.size
     return (
         out[0] > 0,
-        None if amax is None else out[1],
+        None if amax is None else out[1:head].reshape(amax.shape),
         None if flags is None else out[head:] > 0,
     )
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,7 @@ class Check(NamedTuple):
     overflow: jax.Array
     flags: jax.Array | None
     amax: jax.Array | None
+    segments: jax.Array | None = None  # per-layer scaling: bool[n + 1], a segment overflowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +188,86 @@ class Engine:
             amax = jnp.maximum(amax, taps.range_fraction(scale))
         return found, amax
 
+    def check_layers(
+        self,
+        grads: Any,
+        scales: jax.Array,
+        layers: Any,
+        taps: Any,
+    ) -> Check:
+        """The overflow check of per-layer scaled ``grads``, per segment, in one all-reduce.
+
+        ``layers`` (a ``LayerMap``) gives each gradient leaf its segment and names the
+        layer taps in forward order; ``scales`` is ``float32[n + 1]``, each segment's
+        cumulative scale (the last, the loss's). Rule::
+
+          flags, leaf_max = per-leaf overflow flags and max |g|     # one read of each leaf
+          amax[s] = max over leaves of s of leaf_max / (scales[s] * finfo(compute_dtype).max)
+          for the tap of layer j (measured before its factor, at scales[j + 1]):
+              u = max_abs / (scales[j + 1] * finfo(its dtype).max)
+              amax[j] = max(amax[j], u); amax[j + 1] = max(amax[j + 1], u)
+              overflowed[j + 1] |= tap inf/nan
+          the "loss" tap counts for segment n
+          overflowed[s] |= any(flags of leaves of s)
+          found = any(overflowed) or the loss scale is not finite and > 0
+          (found, amax, overflowed, flags) reduced over axis_name: one all-reduce
+        """
+        _devices.check_mapped_axes(grads, self.reduced, self.local, self.mode, self.where)
+        leaves = jax.tree_util.tree_leaves(grads)
+        if len(leaves) != len(layers.segments):
+            raise StructureError(
+                f"the gradients have {len(leaves)} leaves but the layer map was made for "
+                f"{len(layers.segments)}: pass gradients of the parameters given to "
+                "lsj.layerwise.discover."
+            )
+        if not isinstance(taps, TapStats):
+            raise TapError(
+                f"{self.where}: per-layer scaling needs taps=, the TapStats "
+                "lsj.layerwise.value_and_grad returns (its layer taps measure each segment)."
+            )
+        if taps.scaled != layers.names:
+            raise TapError(
+                f"{self.where}: the taps were recorded with factors for {list(taps.scaled)}, "
+                f"not for the layers {list(layers.names)}: take the gradients with "
+                "lsj.layerwise.value_and_grad(fun, layers, opt_state), which scales each "
+                "layer's backward signal by its factor."
+            )
+        n = len(layers.names)
+        f32 = jnp.float32
+        flags_list, maxes = _check.every_leaf_flags(leaves, self.mode, self.compute_dtype, True)
+        limit = f32(_check.threshold(self.compute_dtype))
+        amax = [jnp.zeros([], f32) for _ in range(n + 1)]
+        over = [jnp.zeros([], jnp.bool_) for _ in range(n + 1)]
+        floats = [i for i, g in enumerate(leaves) if _check.is_float(g)]
+        for i, m in zip(floats, maxes, strict=True):
+            s = layers.segments[i]
+            amax[s] = jnp.maximum(amax[s], m.astype(f32) / (scales[s] * limit))
+        for i, flag in enumerate(flags_list):
+            s = layers.segments[i]
+            over[s] = jnp.logical_or(over[s], flag)
+        peaks, bad = taps.max_abs(), taps.nonfinite()
+        for name, dtype in zip(taps.names, taps.dtypes, strict=True):
+            j = layers.names.index(name) if name in layers.names else n - 1
+            own = scales[j + 1] * f32(jnp.finfo(jnp.dtype(dtype)).max)
+            u = peaks[name] / own
+            for s in {j, j + 1} if name in layers.names else {n}:
+                amax[s] = jnp.maximum(amax[s], u)
+            over[j + 1] = jnp.logical_or(over[j + 1], bad[name] > 0)
+        overflowed = jnp.stack(over)
+        found = jnp.logical_or(jnp.any(overflowed), scale_is_bad(scales[n]))
+        flags = jnp.stack(flags_list) if flags_list else jnp.zeros([0], jnp.bool_)
+        keep = self.attribution is not None
+        shared = jnp.concatenate(
+            [overflowed, flags if self.attribution == "reduced" else flags[:0]]
+        )
+        found, amax_v, shared = _devices.reduce_packed(
+            found, jnp.stack(amax), shared, self.axis_name
+        )
+        overflowed = cast(jax.Array, shared)[: n + 1]
+        if self.attribution == "reduced":
+            flags = cast(jax.Array, shared)[n + 1 :]
+        return Check(found, flags if keep else None, amax_v, overflowed)
+
     @staticmethod
     def fold(window: Check, this: Check) -> Check:
         """The window's check after one more micro-batch: flags ORed, ranges maxed.
@@ -291,11 +372,14 @@ class EngineUpdate:
         inner: optax.GradientTransformationExtraArgs,
         *,
         fusable: bool = False,
+        fused_step: Callable[..., tuple[Any, Any]] | None = None,
     ) -> None:
         self._update = update
         self.engine = engine
         self.inner = inner
         self.fusable = fusable
+        # A front-end whose fused step is its own (apply_gradients calls it): per-layer scaling.
+        self.fused_step = fused_step
 
     def __call__(
         self, updates: Any, state: Any, params: Any = None, **extra_args: Any

@@ -98,8 +98,52 @@ class LossScalingMultiStepsState(NamedTuple):
     window_leaf_overflow: jax.Array | None = None
 
 
+class LayerScales(NamedTuple):
+    """Per-layer scaling: one entry per segment (the layers in forward order, then the loss).
+
+    Each segment runs ``HeadroomScale``'s rule on its own range (see ``layerwise_scaling``).
+
+    Attributes:
+      scale: float32[n + 1], each segment's cumulative scale (a power of two); the last
+        is the loss scale (``loss_scale.scale``).
+      range_peak: float32[n + 1], each segment's held peak of its range at scale 1.
+      margin: int32[n + 1], each segment's margin in octaves.
+      growth_count: int32[n + 1], good steps since the segment's margin last changed.
+      overflow_steps: int32[n + 1], overflows attributed to the segment (the one closest to
+        the loss among those that overflowed).
+    """
+
+    scale: jax.Array
+    range_peak: jax.Array
+    margin: jax.Array
+    growth_count: jax.Array
+    overflow_steps: jax.Array
+
+
+class LayerwiseScalingState(NamedTuple):
+    """State of :func:`lossscale_jax.layerwise.layerwise_scaling`.
+
+    Attributes:
+      loss_scale: the ``LossScaleState`` of the whole model: the loss scale (the loss
+        segment's), the skip decision and its telemetry, as ``loss_scaling`` keeps it.
+      layers: the per-segment scales (``LayerScales``).
+      inner_state: the state of the inner transformation.
+      leaf_overflow: ``bool[n_leaves]``, which leaves overflowed at the last step (``None``
+        without a record).
+    """
+
+    loss_scale: LossScaleState
+    layers: LayerScales
+    inner_state: optax.OptState
+    leaf_overflow: jax.Array | None = None
+
+
 #: The states whose ``loss_scale`` field is the ``LossScaleState`` of a transformation.
-OWNER_TYPES: tuple[type, ...] = (LossScalingState, LossScalingMultiStepsState)
+OWNER_TYPES: tuple[type, ...] = (
+    LossScalingState,
+    LossScalingMultiStepsState,
+    LayerwiseScalingState,
+)
 
 
 class StepOutcome(NamedTuple):
@@ -138,7 +182,7 @@ def step_outcome(owner: Any) -> StepOutcome | None:
     the optimizer step is skipped); from that micro-batch to the window's end
     nothing persists. ``None`` for anything else (a bare ``LossScaleState``).
     """
-    if isinstance(owner, LossScalingState):
+    if isinstance(owner, LossScalingState | LayerwiseScalingState):
         skipped = owner.loss_scale.last_skipped
         return StepOutcome(jnp.ones([], jnp.bool_), jnp.logical_not(skipped), skipped)
     if isinstance(owner, LossScalingMultiStepsState):

@@ -108,24 +108,33 @@ class TapStats:
         name given to ``lsj.tap``; a name met again in one pass gets ``#2``, ``#3``).
       dtypes: the dtype of each tapped value (its cotangent has the same dtype).
       values: one float32 vector per tap (layout in ``lossscale_jax._tap_stats``).
+      scaled: the taps that multiplied the backward signal by a per-layer factor
+        (``lsj.layerwise.value_and_grad``); empty otherwise.
     """
 
-    def __init__(self, names: Sequence[str], dtypes: Sequence[str], values: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        values: Sequence[Any],
+        scaled: Sequence[str] = (),
+    ) -> None:
         self.names: tuple[str, ...] = tuple(names)
         self.dtypes: tuple[str, ...] = tuple(dtypes)
         self.values: tuple[Any, ...] = tuple(values)
+        self.scaled: tuple[str, ...] = tuple(scaled)
         if not len(self.names) == len(self.dtypes) == len(self.values):
             raise ValueError(
                 f"TapStats needs one dtype and one vector per name, got {len(self.names)} "
                 f"names, {len(self.dtypes)} dtypes and {len(self.values)} vectors."
             )
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...]]]:
-        return self.values, (self.names, self.dtypes)
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[str, ...], ...]]:
+        return self.values, (self.names, self.dtypes, self.scaled)
 
     @classmethod
     def tree_unflatten(cls, aux: Any, values: Any) -> TapStats:
-        return cls(aux[0], aux[1], values)
+        return cls(aux[0], aux[1], values, aux[2])
 
     @classmethod
     def zeros(cls, names: Sequence[str], dtypes: Sequence[str]) -> TapStats:

@@ -43,6 +43,8 @@ class Recorder:
     axes: list[frozenset] = dataclasses.field(default_factory=list)  # manual axes x varies over
     seen: dict[str, int] = dataclasses.field(default_factory=dict)
     linen: bool = False  # Linen modules are being tapped (installed once per recorder)
+    # Per-layer scaling: the factor each named tap multiplies the backward signal by.
+    factors: dict[str, Any] | None = None
 
     def claim(self, name: str) -> str:
         count = self.seen.get(name, 0) + 1
@@ -85,12 +87,32 @@ def _identity(x: jax.Array, sink: jax.Array) -> jax.Array:
     return x
 
 
+def _scaled_identity(x: jax.Array, sink: jax.Array, factor: jax.Array) -> jax.Array:
+    del sink, factor
+    return x
+
+
+def _fwd_scaled(x: jax.Array, sink: jax.Array, factor: jax.Array) -> tuple[jax.Array, Any]:
+    del sink
+    return x, factor
+
+
+def _bwd_scaled(factor: jax.Array, ct: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # Statistics of the signal as it arrives; then the layer's factor (a power of two:
+    # exact unless it leaves the dtype's range), computed in float32 at least.
+    wide = jnp.promote_types(ct.dtype, jnp.float32)
+    out = (ct.astype(wide) * factor.astype(wide)).astype(ct.dtype)
+    return out, measure_backward(ct), jnp.zeros_like(factor)
+
+
 _tap_backward = jax.custom_vjp(_identity)
 _tap_backward.defvjp(_fwd_only, _bwd_only)
 _tap_both = jax.custom_vjp(_identity)
 _tap_both.defvjp(_fwd_both, _bwd_both)
+_tap_scaled = jax.custom_vjp(_scaled_identity)
+_tap_scaled.defvjp(_fwd_scaled, _bwd_scaled)
 # How the float32 rewrite of diagnose recognises a tap in a traced program: by its bwd.
-_BWDS = {_bwd_only: _tap_backward, _bwd_both: _tap_both}
+_BWDS = {_bwd_only: _tap_backward, _bwd_both: _tap_both, _bwd_scaled: _tap_scaled}
 
 
 def tap_of_equation(params: dict) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
@@ -134,8 +156,11 @@ def tap_array(x: Any, name: str) -> Any:
         )
     # Under shard_map the sink must vary where x does (its "gradient" does); a sink that
     # does not gets the sum over those devices (the transpose of the cast).
+    sink = pcast_to(sink, axes)
+    if rec.factors is not None and unique in rec.factors:
+        return _tap_scaled(x, sink, jnp.asarray(rec.factors[unique], jnp.float32))
     fn = _tap_both if rec.forward else _tap_backward
-    return fn(x, pcast_to(sink, axes))
+    return fn(x, sink)
 
 
 def tap_tree(tree: Any, name: str) -> Any:

@@ -103,8 +103,7 @@ def _apply(eqn: Any, invals: list, low: np.dtype) -> list:
     tap = tap_of_equation(params) if name == "custom_vjp_call" else None
     if tap is not None:  # a tap stays a tap (on the widened value): diagnose reads it
         consts = params.get("num_consts", 0)
-        x, sink = invals[consts:]
-        return [tap(x, sink)]
+        return [tap(*invals[consts:])]
     if name in _INLINE and _INLINE[name] in params:
         body = params[_INLINE[name]]
         if isinstance(body, jcore.ClosedJaxpr):

@@ -14,7 +14,7 @@ Mixed precision itself is Flax's own: build the model with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,17 @@ from flax.training import train_state
 
 from lossscale_jax._engine import engine_of
 from lossscale_jax._nesting import locate
-from lossscale_jax._opt_states import LossScalingState, StepOutcome, step_outcome
+from lossscale_jax._opt_states import (
+    LayerwiseScalingState,
+    LossScalingState,
+    StepOutcome,
+    step_outcome,
+)
 from lossscale_jax.errors import NestingError, StateNotFoundError
 from lossscale_jax.fused import apply_gradients
+
+# The states of transformations apply_gradients runs fused.
+FUSED_STATES = (LossScalingState, LayerwiseScalingState)
 
 __all__ = ["LossScaleOptimizer", "TrainState"]
 
@@ -69,8 +77,10 @@ def _apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra_a
     ``MultiSteps``, ...) or another front-end. Both give bit-identical parameters.
     """
     built = engine_of(tx)
-    if built is not None and built.fusable and isinstance(opt_state, LossScalingState):
-        new_params, new_opt_state = apply_gradients(tx, grads, opt_state, params, **extra_args)
+    if built is not None and built.fusable and isinstance(opt_state, FUSED_STATES):
+        new_params, new_opt_state = apply_gradients(
+            tx, grads, cast(Any, opt_state), params, **extra_args
+        )
     else:
         updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
         new_params = optax.apply_updates(params, updates)

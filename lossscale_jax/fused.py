@@ -82,6 +82,8 @@ def apply_gradients(
             "transformations run on the Optax path: tx.update + optax.apply_updates."
         )
     engine, inner = built.engine, built.inner
+    if built.fused_step is not None:  # a front-end with a fused step of its own
+        return built.fused_step(grads, opt_state, params, **extra_args)
     state = check_state(opt_state, LossScalingState, "apply_gradients")
     scale = state.loss_scale.scale
     taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them

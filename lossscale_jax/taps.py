@@ -27,7 +27,7 @@ for taps has no trace of them in its program.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -105,6 +105,7 @@ def recording(
     modules: Modules = True,
     model: Any = None,
     forward: bool = False,
+    factors: Mapping[str, Any] | None = None,
 ) -> Iterator[None]:
     """Runs the code inside with its taps feeding ``sinks`` (use it inside the function
     you differentiate).
@@ -124,6 +125,8 @@ def recording(
         ``__call__`` output (by their path in ``model``); ``None``: no NNX tapping.
       forward: also record the forward activation's max and inf/nan entries
         (``diagnose`` does; a training step does not need them).
+      factors: per tap name, a factor the tap multiplies the backward signal by after
+        measuring it (per-layer scaling); ``None``: none.
 
     Raises:
       errors.TapError: if ``sinks`` is not a ``TapStats`` (outside ``discover``).
@@ -142,7 +145,7 @@ def recording(
             f"{type(sinks).__name__}."
         )
     else:
-        rec = Recorder(sinks=sinks, forward=forward)
+        rec = Recorder(sinks=sinks, forward=forward, factors=dict(factors) if factors else None)
     with recorder(rec, select, model):
         yield
 
@@ -179,6 +182,7 @@ def value_and_grad(
     has_aux: bool = False,
     *,
     modules: Modules = True,
+    factors: Mapping[str, Any] | None = None,
 ) -> Callable[..., tuple[Any, Any, TapStats]]:
     """``jax.value_and_grad`` that also returns the statistics of every tap.
 
@@ -193,6 +197,9 @@ def value_and_grad(
       argnums: which positional arguments to differentiate (int or sequence).
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       modules: which Flax Linen modules to tap (as ``recording``).
+      factors: per tap name, a float32 factor the tap multiplies the backward signal by
+        (after measuring it): per-layer scaling (``lsj.layerwise.value_and_grad`` passes
+        them); ``None``: none.
 
     Returns:
       A function of ``fun``'s arguments returning ``(value, grads, taps)``.
@@ -221,8 +228,15 @@ def value_and_grad(
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, TapStats]:
         sinks = discover(fun, *args, modules=modules, **kwargs)
 
+        missing = sorted(set(factors or ()) - set(sinks.names))
+        if missing:
+            raise TapError(
+                f"factors name taps the function does not meet: {missing} (its taps: "
+                f"{list(sinks.names)})."
+            )
+
         def with_sinks(sinks: TapStats, *args: Any) -> Any:
-            with recording(sinks, modules=modules):
+            with recording(sinks, modules=modules, factors=factors):
                 return fun(*args, **kwargs)
 
         shifted = (0,) + tuple(i + 1 for i in nums)
@@ -230,6 +244,7 @@ def value_and_grad(
             sinks, *args
         )
         stats, rest = grads[0], grads[1:]
+        stats = TapStats(stats.names, stats.dtypes, stats.values, tuple(factors or ()))
         return value, (rest[0] if single else rest), stats
 
     return wrapped

@@ -1,0 +1,331 @@
+"""Per-layer loss scaling: one scale per layer, where one global scale cannot serve the network.
+
+A single loss scale has to fit every layer's gradients into float16's window at once. When the
+layers' gradient magnitudes span more than that window, every global scale underflows the
+smallest or overflows the largest. Here each layer tap multiplies the backward signal by a
+power-of-two factor of its own, so each layer's gradients arrive scaled by the layer's own
+cumulative scale; the unscale divides each leaf by its own. One overflow check and one skip
+decision for the whole model (every device agrees), as with ``loss_scaling``.
+
+::
+
+  layers = lsj.layerwise.discover(loss_fn, params, batch)      # the layer taps, per leaf
+  tx = lsj.layerwise.layerwise_scaling(optax.adam(1e-3), layers)
+  opt_state = tx.init(params)
+  # in the step:
+  loss, grads, taps = lsj.layerwise.value_and_grad(scaled_loss, layers, opt_state)(params)
+  params, opt_state = lsj.apply_gradients(tx, grads, opt_state, params, taps=taps)
+
+The network is cut into segments at the layer taps (taps in forward order ``0..n-1``, then the
+loss's segment ``n``): segment ``j`` is what the backward pass computes between tap ``j`` and the
+tap before it, all of it at cumulative scale ``C_j``; the loss's segment runs at the loss scale
+``C_n``. Tap ``j`` multiplies the signal by ``f_j = C_j / C_{j+1}``. Each segment adapts ``C_j``
+by ``HeadroomScale``'s rule from its own range, and the overflow skip is the safety net.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lossscale_jax import _check, stuck
+from lossscale_jax._engine import Engine, EngineUpdate, check_state, skip_updates
+from lossscale_jax._nesting import prepare_inner, refuse_nested_state
+from lossscale_jax._opt_states import LayerScales, LayerwiseScalingState
+from lossscale_jax._segments import segments_of
+from lossscale_jax._state import LossScaleState, initial_state, record_step
+from lossscale_jax._tap_stats import TapStats
+from lossscale_jax._unscale import inverse, unscale_leaf
+from lossscale_jax.errors import TapError
+from lossscale_jax.policies import HeadroomScale
+from lossscale_jax.taps import Modules
+from lossscale_jax.taps import discover as discover_taps
+from lossscale_jax.taps import value_and_grad as tapped_vg
+
+__all__ = [
+    "LayerMap",
+    "LayerScales",
+    "LayerwiseScalingState",
+    "discover",
+    "layer_metrics",
+    "layerwise_scaling",
+    "value_and_grad",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMap:
+    """The layer taps of a model and the segment of each parameter leaf (static).
+
+    Attributes:
+      names: the layer taps, in forward order (module paths or ``lsj.tap`` names).
+      segments: per leaf of the parameters (``tree_leaves`` order), the first layer tap
+        its gradient passes on the way back from the loss (``len(names)``: none, the
+        loss's segment).
+      paths: the leaves' key paths.
+      modules: the module selection the taps were found with (as ``lsj.taps.recording``).
+    """
+
+    names: tuple[str, ...]
+    segments: tuple[int, ...]
+    paths: tuple[str, ...]
+    modules: Any = True
+
+    def layer_of(self, path: str) -> str:
+        """The layer (tap name, or ``"loss"``) whose scale a leaf's gradient has."""
+        s = self.segments[self.paths.index(path)]
+        return self.names[s] if s < len(self.names) else "loss"
+
+
+def discover(
+    loss_fn: Callable[..., Any], params: Any, *args: Any, modules: Modules = True
+) -> LayerMap:
+    """The layer map of ``loss_fn(params, *args)``: its taps (every Flax Linen module
+    ``modules`` selects, every ``lsj.tap``) and, per parameter leaf, its segment.
+
+    Traced once abstractly; nothing runs. A leaf whose gradient would pass different
+    taps on different paths (tied weights, a tap on one branch of a residual), or taps
+    that are not a chain, raise ``errors.TapError`` naming the leaf.
+    """
+    names = tuple(n for n in discover_taps(loss_fn, params, *args, modules=modules).names)
+    if not names:
+        raise TapError(
+            "per-layer scaling found no layer tap in loss_fn: tap the layers (Flax modules "
+            "are tapped by themselves; plain JAX: lsj.tap(x, name) at each layer's output)."
+        )
+    if "loss" in names:
+        raise TapError(
+            'discover takes the unscaled loss: a tap named "loss" (scale_loss\'s) is not a '
+            "layer. Call it on the loss before lsj.scale_loss."
+        )
+    segments, paths = segments_of(loss_fn, params, args, names, modules)
+    return LayerMap(names, segments, paths, modules)
+
+
+def factors(layers: LayerMap, opt_state: Any) -> dict[str, jax.Array]:
+    """Each layer tap's factor ``C_j / C_{j+1}`` from a per-layer state (exact: powers of 2)."""
+    state = _layer_state(opt_state)
+    c = state.layers.scale
+    return {name: c[j] / c[j + 1] for j, name in enumerate(layers.names)}
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    layers: LayerMap,
+    opt_state: Any,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, TapStats]]:
+    """``lsj.taps.value_and_grad`` with each layer tap scaling the backward signal by its
+    factor from ``opt_state`` (a ``LayerwiseScalingState``): ``(value, grads, taps)``,
+    ``grads`` per leaf at its segment's scale (``tx.update`` unscales each by its own)."""
+    return tapped_vg(
+        fun, argnums, has_aux, modules=layers.modules, factors=factors(layers, opt_state)
+    )
+
+
+def _layer_state(opt_state: Any) -> LayerwiseScalingState:
+    if isinstance(opt_state, LayerwiseScalingState):
+        return opt_state
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, LayerwiseScalingState)
+        )
+        if isinstance(x, LayerwiseScalingState)
+    ]
+    if len(found) != 1:
+        raise TypeError(
+            "opt_state must hold one LayerwiseScalingState (the state of "
+            f"lsj.layerwise.layerwise_scaling), found {len(found)}."
+        )
+    return found[0]
+
+
+def _segment_states(layers: LayerScales) -> LossScaleState:
+    """The segments as one ``LossScaleState`` batched over its leading axis."""
+    base = jax.vmap(initial_state)(layers.scale)
+    return base.replace(
+        range_peak=layers.range_peak, margin=layers.margin, growth_count=layers.growth_count
+    )
+
+
+def layerwise_scaling(
+    inner: optax.GradientTransformation,
+    layers: LayerMap,
+    policy: HeadroomScale | None = None,
+    *,
+    overflow: _check.OverflowMode = "ieee",
+    compute_dtype: Any = jnp.float16,
+    axis_name: Any = None,
+    local_axes: Any = None,
+    on_stuck: str = "skip",
+    attribution: str | None = "reduced",
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` with per-layer loss scaling: one scale per segment, one skip decision.
+
+    Rule (one ``update``; ``C`` the segments' scales, ``n`` layer taps)::
+
+      check = per-leaf flags and max |g|, each against its segment's C; each layer tap's
+              range against the scale it was measured at (C[j + 1]) counts for segments
+              j and j + 1, its inf/nan for segment j + 1; one all-reduce over axis_name
+      overflow = any segment overflowed
+      culprit = the overflowed segment closest to the loss (upstream ones inherit its inf)
+      for each segment s:                          # HeadroomScale's rule, per segment
+          if overflow and s == culprit: adjust(s, overflow=True)    # margin +1, scale down
+          elif overflow:                keep s as it was
+          else:                         adjust(s, overflow=False, amax=check.amax[s])
+      loss_scale = record the step (scale C[n], skipped = overflow)
+      if not overflow: updates = inner.update(g / C[segment of each leaf])
+      else:            updates = -0.0, inner state unchanged
+
+    Args:
+      inner: any Optax transformation (it sees unscaled gradients).
+      layers: the ``LayerMap`` of ``discover``.
+      policy: the per-segment rule's hyperparameters, a ``HeadroomScale`` (default
+        ``HeadroomScale()``); ``init_scale`` starts every segment.
+      overflow, compute_dtype, axis_name, local_axes, on_stuck, attribution: as
+        ``loss_scaling``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes ``taps=``
+      (required: the ``TapStats`` of ``lsj.layerwise.value_and_grad``); ``apply_gradients``
+      runs it fused.
+    """
+    if policy is None:
+        policy = HeadroomScale()
+    if not isinstance(policy, HeadroomScale):
+        raise TypeError(
+            "layerwise_scaling adapts each layer by HeadroomScale's rule: pass "
+            f"policy=HeadroomScale(...), got {type(policy).__name__}."
+        )
+    if not isinstance(layers, LayerMap):
+        raise TypeError(
+            f"layers must be the LayerMap lsj.layerwise.discover returns, got {layers!r}."
+        )
+    engine = Engine.build(
+        "layerwise_scaling",
+        policy,
+        overflow=overflow,
+        compute_dtype=compute_dtype,
+        axis_name=axis_name,
+        local_axes=local_axes,
+        on_stuck=on_stuck,
+        attribution=attribution,
+    )
+    inner = prepare_inner(inner, "layerwise_scaling")
+    n = len(layers.names)
+
+    def init_fn(params: optax.Params) -> LayerwiseScalingState:
+        inner_state = inner.init(params)
+        refuse_nested_state(inner_state, "layerwise_scaling")
+        one = policy.init()
+        seg = LayerScales(
+            scale=jnp.full([n + 1], one.scale, jnp.float32),
+            range_peak=jnp.zeros([n + 1], jnp.float32),
+            margin=jnp.full([n + 1], one.margin, jnp.int32),
+            growth_count=jnp.zeros([n + 1], jnp.int32),
+            overflow_steps=jnp.zeros([n + 1], jnp.int32),
+        )
+        return LayerwiseScalingState(one, seg, inner_state, engine.empty_record(params))
+
+    def decide(state: LayerwiseScalingState, check: Any) -> tuple[Any, Any, jax.Array]:
+        overflow = check.overflow
+        index = jnp.arange(n + 1)
+        flagged = jnp.where(check.segments, index, -1)
+        culprit = jnp.where(jnp.any(check.segments), jnp.max(flagged), n)
+        segs = _segment_states(state.layers)
+        bad = jax.vmap(lambda s: policy.adjust(s, True, jnp.float32(jnp.inf)))(segs)
+        good = jax.vmap(policy.adjust)(segs, jnp.zeros([n + 1], bool), check.amax)
+        hit = jnp.logical_and(overflow, index == culprit)
+
+        def pick(b: jax.Array, g: jax.Array, old: jax.Array) -> jax.Array:
+            return jnp.where(hit, b, jnp.where(overflow, old, g))
+
+        new = LayerScales(
+            scale=pick(bad.scale, good.scale, state.layers.scale),
+            range_peak=pick(bad.range_peak, good.range_peak, state.layers.range_peak),
+            margin=pick(bad.margin, good.margin, state.layers.margin),
+            growth_count=pick(bad.growth_count, good.growth_count, state.layers.growth_count),
+            overflow_steps=jnp.where(
+                hit, state.layers.overflow_steps + 1, state.layers.overflow_steps
+            ).astype(jnp.int32),
+        )
+        at_floor = state.layers.scale[culprit] <= jnp.float32(policy.min_scale)
+        loss_scale = record_step(
+            state.loss_scale,
+            overflow,
+            overflow,
+            stuck=jnp.logical_and(overflow, at_floor),
+            scale=new.scale[n],
+            range_peak=new.range_peak[n],
+            margin=new.margin[n],
+            growth_count=new.growth_count[n],
+            hysteresis_count=jnp.zeros([], jnp.int32),
+        )
+        stuck.check_stuck(loss_scale, engine.on_stuck)
+        return loss_scale, new, jnp.logical_not(overflow)
+
+    def unscale(grads: Any, scales: jax.Array, params: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        ps = jax.tree_util.tree_leaves(params) if params is not None else [None] * len(leaves)
+        inv = [inverse(scales[s]) for s in range(n + 1)]
+        out = [
+            unscale_leaf(g, inv[layers.segments[i]], p)
+            for i, (g, p) in enumerate(zip(leaves, ps, strict=True))
+        ]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def step(grads: Any, state: Any, params: Any, extra_args: dict, fused: bool) -> Any:
+        state = check_state(state, LayerwiseScalingState, "layerwise_scaling")
+        taps = extra_args.pop("taps", None)
+        scales = state.layers.scale
+        check = engine.check_layers(grads, scales, layers, taps)
+        loss_scale, new_layers, apply = decide(state, check)
+
+        def good(operands: Any) -> Any:
+            g, inner_state, p = operands
+            updates, inner_state = inner.update(unscale(g, scales, p), inner_state, p, **extra_args)
+            return (optax.apply_updates(p, updates) if fused else updates), inner_state
+
+        operands = (grads, state.inner_state, params)
+        shapes = None if fused else jax.eval_shape(good, operands)[0]
+
+        def skip(operands: Any) -> Any:
+            _, inner_state, p = operands
+            return (p if fused else skip_updates(shapes)), inner_state
+
+        out, inner_state = engine.select(apply, good, skip, operands)
+        return out, LayerwiseScalingState(loss_scale, new_layers, inner_state, check.flags)
+
+    def update_fn(
+        updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra: Any
+    ) -> tuple[optax.Updates, LayerwiseScalingState]:
+        return step(updates, state, params, extra, fused=False)
+
+    def fused_fn(grads: Any, state: Any, params: Any, **extra: Any) -> Any:
+        return step(grads, state, params, extra, fused=True)
+
+    update = EngineUpdate(update_fn, engine, inner, fusable=True, fused_step=fused_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update)  # pyright: ignore
+
+
+def layer_metrics(opt_state: Any, layers: LayerMap) -> dict[str, dict[str, jax.Array]]:
+    """Per layer tap (and ``"loss"``): its segment's cumulative scale, the factor its tap
+    applies, and the overflows attributed to it (arrays; no host sync)."""
+    state = _layer_state(opt_state)
+    c = state.layers
+    out = {}
+    for j, name in enumerate((*layers.names, "loss")):
+        out[name] = {
+            "scale": c.scale[j],
+            "factor": c.scale[j] / c.scale[j + 1] if j < len(layers.names) else c.scale[j],
+            "overflow_steps": c.overflow_steps[j],
+            "margin": c.margin[j],
+        }
+    return out
