@@ -703,6 +703,27 @@ def _stacked_taps():
     TX.update(PARAMS, STATE, PARAMS, taps=stacked)
 
 
+_LAYER_ARGS = ({"w": jnp.ones((3, 3))}, jnp.ones((2, 3)))
+
+
+def _chain(p, x):
+    return jnp.sum(lsj.tap(jnp.tanh(x @ p["w"]), "layer"))
+
+
+def _tied(p, x):
+    return jnp.sum(lsj.tap(x @ p["w"], "layer") @ p["w"].T)
+
+
+def _layer_map():
+    return lsj.layerwise.discover(_chain, *_LAYER_ARGS)
+
+
+def _layerwise_without_taps():
+    tx = lsj.layerwise_scaling(optax.sgd(0.1), _layer_map())
+    params = _LAYER_ARGS[0]
+    tx.update(params, tx.init(params), params)
+
+
 def _enter(context):
     with context:
         pass
@@ -764,6 +785,36 @@ CASES += [
         lambda: lsj.taps.value_and_grad(lambda w: w, argnums=-1),
         ValueError,
         "argnums must be an int >= 0 or a sequence of them",
+    ),
+    (
+        "layerwise policy",
+        lambda: lsj.layerwise_scaling(optax.sgd(0.1), _layer_map(), lsj.DynamicScale()),
+        TypeError,
+        "layerwise_scaling adapts each layer by HeadroomScale's rule",
+    ),
+    (
+        "layerwise layers",
+        lambda: lsj.layerwise_scaling(optax.sgd(0.1), ("a",)),  # type: ignore[arg-type]
+        TypeError,
+        "layers must be the LayerMap lsj.layerwise.discover returns",
+    ),
+    (
+        "layerwise no taps",
+        lambda: lsj.layerwise.discover(lambda p, x: jnp.sum(x @ p["w"]), *_LAYER_ARGS),
+        lsj.errors.TapError,
+        "per-layer scaling found no layer tap in loss_fn",
+    ),
+    (
+        "layerwise tied",
+        lambda: lsj.layerwise.discover(_tied, *_LAYER_ARGS),
+        lsj.errors.TapError,
+        "reaches the loss through different layer taps on different paths",
+    ),
+    (
+        "layerwise update without taps",
+        _layerwise_without_taps,
+        lsj.errors.TapError,
+        "layerwise_scaling: per-layer scaling needs taps=",
     ),
     (
         "diagnose localize",
