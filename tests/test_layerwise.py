@@ -360,3 +360,15 @@ def test_arguments_and_taps_used_wrongly():
     _, _, plain_taps = lsj.taps.value_and_grad(lambda p: loss_fn(p, (x, y)))(PARAMS)
     with pytest.raises(lsj.errors.TapError, match="recorded with factors for"):
         TX.update(grads, opt_state, PARAMS, taps=plain_taps)
+
+
+def test_one_trace_and_no_host_sync():
+    params, opt_state = PARAMS, TX.init(PARAMS)
+    none = jnp.asarray(-1)
+    batches = [batch(t) for t in range(4)]
+    params, opt_state, _, _ = STEP(params, opt_state, *batches[0], none)
+    traced = STEP._cache_size()
+    with jax.transfer_guard("disallow"):
+        for x, y in batches[1:]:
+            params, opt_state, _, _ = STEP(params, opt_state, x, y, none)
+    assert STEP._cache_size() == traced
