@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # module runs on one worker, so what its tests share (a module fixture such as an example's run
 # or the docs build, steps compiled once and cached) is made once, not once per worker.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 .PHONY: demo test test-fast lint typecheck clean docs docs-outputs doctest dist
 

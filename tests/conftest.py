@@ -22,3 +22,35 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("ci")
+
+# The longest modules first (test time on 2 cores, 2 workers, at the time of writing): with
+# ``--dist loadscope --no-loadscope-reorder`` (the Makefile's) xdist hands modules to the
+# workers in this order, so the long ones start early and the short ones fill the tail
+# (xdist's own reordering, by number of tests, sent the few-test example jobs last). A module
+# missing here only runs later; the order changes no test's outcome.
+LONGEST_FIRST = (
+    "test_train_gpt.py",  # 54 s: the GPT job (module fixture)
+    "test_train_digits.py",  # 55 s: the digits job (module fixture)
+    "test_performance.py",  # 60 s
+    "test_engine_properties.py",  # 45 s
+    "test_docs.py",  # 38 s
+    "test_reliability_soak.py",  # 24 s
+    "test_data_parallel.py",  # 26 s
+    "test_composition.py",  # 21 s
+    "test_flax.py",  # 21 s
+    "test_diagnosis.py",  # 19 s
+    "test_docs_site.py",  # 14 s
+    "test_seams.py",  # 15 s
+    "test_compat.py",  # 14 s
+    "test_headroom.py",  # 13 s
+    "test_attribution.py",  # 12 s
+    "test_upstream_torch.py",  # 12 s
+    "test_reliability_properties.py",  # 12 s
+    "test_saturation.py",  # 12 s
+    "test_example_data_parallel.py",  # 10 s
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept

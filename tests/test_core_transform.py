@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,14 +34,25 @@ def make_step(tx):
     return step
 
 
+@functools.cache
+def shared_tx_and_step(name: str):
+    """A transformation and its jitted step, built once per process: parametrizations that
+    differ only in data (the injected value, good or bad) run one compiled step."""
+    txs = {
+        "skip": lambda: lsj.loss_scaling(optax.adam(1e-2), lsj.DynamicScale(init_scale=2.0**10)),
+        "dtypes": lambda: lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale(), overflow="both"),
+    }
+    tx = txs[name]()
+    return tx, make_step(tx)
+
+
 # ------------------------------------------------------------------ skipping
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_overflow_step_is_a_no_op_except_the_scale(bad):
     params = params_of()
-    tx = lsj.loss_scaling(optax.adam(1e-2), lsj.DynamicScale(init_scale=2.0**10))
-    step = make_step(tx)
+    tx, step = shared_tx_and_step("skip")  # one compilation for inf, -inf and nan
     state = tx.init(params)
     params, state, _ = step(params, state, grads_like(params, 3.0))  # one good step first
     grads = grads_like(params, 3.0)
@@ -113,10 +126,10 @@ def test_small_loss_in_float16_recovered_with_fp32_master_weights():
 @pytest.mark.parametrize("bad", [False, True])
 def test_dtypes_and_structure_are_stable(pdtype, bad):
     params = params_of(pdtype)
-    tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale(), overflow="both")
+    tx, step = shared_tx_and_step("dtypes")  # one compilation per dtype, good or bad
     state = tx.init(params)
     grads = grads_like(params, np.inf if bad else 1.0, dtype=jnp.float16)
-    new_params, new_state, updates = make_step(tx)(params, state, grads)
+    new_params, new_state, updates = step(params, state, grads)
     for k in params:
         assert updates[k].dtype == pdtype
         assert new_params[k].dtype == pdtype

@@ -277,6 +277,10 @@ FRONT_ENDS = {
 
 @functools.cache
 def front_end(name: str, policy_name: str) -> FrontEnd:
+    if name == "accumulation_1":
+        # every_k=1 builds loss_scaling itself (build_tx), as the Optax path does: the same
+        # transformations and the same compiled step, so the Optax path's is run, not a copy.
+        return front_end("optax", policy_name)
     return FRONT_ENDS[name](POLICIES[policy_name])
 
 

@@ -93,7 +93,10 @@ def test_underflow_probe_against_numpy():
     params, stats = variables["params"], variables["batch_stats"]
     weight = jnp.float32(2.0**-8)  # small enough that float16 loses entries
     a16, a32 = ex.APPLY[jnp.float16], ex.APPLY[jnp.float32]
-    state = lsj.NoScale().init()
+    # A NoScale optimizer state (scale 1) of the structure the job hands the probe, the
+    # "fp16, no scaling" configuration's: the job's compiled probe runs it (same program).
+    state = ex.make_tx(lsj.NoScale()).init(params)
+    assert float(lsj.get_loss_scale_state(state).scale) == 1.0
     lost, nonzero = ex.probe_underflow(a16, a32, params, stats, x, y, state, weight)
 
     def grads(apply_fn):
