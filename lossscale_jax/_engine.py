@@ -282,7 +282,10 @@ class Engine:
         amax = this.amax
         if amax is not None and window.amax is not None:
             amax = jnp.maximum(window.amax, amax)
-        return Check(jnp.logical_or(window.overflow, this.overflow), flags, amax)
+        segments = this.segments
+        if segments is not None and window.segments is not None:
+            segments = jnp.logical_or(window.segments, segments)
+        return Check(jnp.logical_or(window.overflow, this.overflow), flags, amax, segments)
 
     def decide(self, loss_scale: LossScaleState, check: Check) -> tuple[LossScaleState, jax.Array]:
         """``(new loss-scale state, apply)``: the policy's step, and whether to apply.

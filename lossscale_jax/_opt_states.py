@@ -120,6 +120,26 @@ class LayerScales(NamedTuple):
     overflow_steps: jax.Array
 
 
+class LayerWindow(NamedTuple):
+    """Per-layer scaling with accumulation: the window of micro-batches in progress.
+
+    Attributes:
+      mini_step: int32, micro-batches seen in the window, in ``[0, every_k)``.
+      overflow: bool, whether a micro-batch of the window overflowed.
+      segments: bool[n + 1], which segments overflowed in the window.
+      amax: float32[n + 1], each segment's largest range in the window.
+      acc_grads: the sum of the window's unscaled good micro-gradients (float32 at least).
+      leaf_overflow: the window's per-leaf record so far (``None`` without a record).
+    """
+
+    mini_step: jax.Array
+    overflow: jax.Array
+    segments: jax.Array
+    amax: jax.Array
+    acc_grads: optax.Updates
+    leaf_overflow: jax.Array | None = None
+
+
 class LayerwiseScalingState(NamedTuple):
     """State of :func:`lossscale_jax.layerwise.layerwise_scaling`.
 
@@ -128,14 +148,16 @@ class LayerwiseScalingState(NamedTuple):
         segment's), the skip decision and its telemetry, as ``loss_scaling`` keeps it.
       layers: the per-segment scales (``LayerScales``).
       inner_state: the state of the inner transformation.
-      leaf_overflow: ``bool[n_leaves]``, which leaves overflowed at the last step (``None``
-        without a record).
+      leaf_overflow: ``bool[n_leaves]``, which leaves overflowed at the last step (of the
+        last completed window, with accumulation) (``None`` without a record).
+      window: with accumulation (``every_k > 1``) the window in progress, else ``None``.
     """
 
     loss_scale: LossScaleState
     layers: LayerScales
     inner_state: optax.OptState
     leaf_overflow: jax.Array | None = None
+    window: LayerWindow | None = None
 
 
 #: The states whose ``loss_scale`` field is the ``LossScaleState`` of a transformation.
@@ -182,6 +204,14 @@ def step_outcome(owner: Any) -> StepOutcome | None:
     the optimizer step is skipped); from that micro-batch to the window's end
     nothing persists. ``None`` for anything else (a bare ``LossScaleState``).
     """
+    if isinstance(owner, LayerwiseScalingState) and owner.window is not None:
+        skipped = owner.loss_scale.last_skipped
+        ended = owner.window.mini_step == 0
+        return StepOutcome(
+            completed=ended,
+            applied=jnp.logical_and(ended, jnp.logical_not(skipped)),
+            discard=jnp.logical_or(owner.window.overflow, jnp.logical_and(ended, skipped)),
+        )
     if isinstance(owner, LossScalingState | LayerwiseScalingState):
         skipped = owner.loss_scale.last_skipped
         return StepOutcome(jnp.ones([], jnp.bool_), jnp.logical_not(skipped), skipped)

@@ -11,11 +11,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from lossscale_jax import numerics
-from lossscale_jax._check import at_least_float32, is_float
 from lossscale_jax._devices import AxisName
 from lossscale_jax._engine import (
     Check,
@@ -28,20 +26,11 @@ from lossscale_jax._engine import (
 from lossscale_jax._hyper import check_int
 from lossscale_jax._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax._opt_states import LossScalingMultiStepsState
+from lossscale_jax._window import acc_zeros, add_good, cleared
+from lossscale_jax._window import mean_of as window_mean
 from lossscale_jax.policies import LossScalePolicy
 
 __all__ = ["LossScalingMultiStepsState", "loss_scaling_multi_steps"]
-
-
-def _acc_zeros(p: Any) -> jax.Array:
-    if is_float(p):
-        return jnp.zeros(jnp.shape(p), at_least_float32(p.dtype))
-    # Non-floating parameters have no gradient to accumulate; keep a placeholder.
-    return jnp.zeros([], jnp.int32)
-
-
-def _cleared(record: jax.Array | None) -> jax.Array | None:
-    return None if record is None else jnp.zeros_like(record)
 
 
 def loss_scaling_multi_steps(
@@ -149,7 +138,7 @@ def loss_scaling_multi_steps(
             loss_scale=engine.policy.init(),
             mini_step=jnp.zeros([], jnp.int32),
             window_overflow=jnp.zeros([], jnp.bool_),
-            acc_grads=jax.tree_util.tree_map(_acc_zeros, params),
+            acc_grads=jax.tree_util.tree_map(acc_zeros, params),
             inner_state=inner_state,
             leaf_overflow=engine.empty_record(params),
             window_range=jnp.zeros([], jnp.float32),
@@ -176,26 +165,11 @@ def loss_scaling_multi_steps(
         window = engine.fold(so_far, this)
         grads = engine.unscale(updates, scale, params)
 
-        # A micro-batch that overflowed (on any device) is left out of the sum, so the
-        # sum stays finite and a policy that does not skip applies the good ones.
-        def add(acc: jax.Array, g: Any) -> jax.Array:
-            if not is_float(g):
-                return acc
-            return jnp.where(this.overflow, acc, acc + g.astype(acc.dtype))
-
-        acc = jax.tree_util.tree_map(add, state.acc_grads, grads)
+        # A micro-batch that overflowed (on any device) is left out of the sum.
+        acc = add_good(state.acc_grads, grads, this.overflow)
 
         def mean_of(acc_tree: Any) -> Any:
-            # Times the reciprocal of every_k, rounded to the accumulator's dtype: what XLA
-            # makes of a division by a constant anyway, written out so that the step gives
-            # the same bits inside and outside jax.jit.
-            def leaf(a: jax.Array, g: Any) -> Any:
-                if not is_float(g):
-                    return g
-                inverse = np.asarray(1.0 / every_k, np.float64).astype(a.dtype)
-                return (a * jnp.asarray(inverse, a.dtype)).astype(g.dtype)
-
-            return jax.tree_util.tree_map(leaf, acc_tree, grads)
+            return window_mean(acc_tree, grads, every_k)
 
         def inner_update(g: Any, inner_state: Any) -> Any:
             return inner.update(g, inner_state, params, **extra_args)
@@ -216,7 +190,7 @@ def loss_scaling_multi_steps(
                 inner_state=inner_state,
                 leaf_overflow=window.flags,
                 window_range=jnp.zeros([], jnp.float32),
-                window_leaf_overflow=_cleared(window.flags),
+                window_leaf_overflow=cleared(window.flags),
             )
 
         def accumulate(acc_tree: Any) -> Any:

@@ -27,20 +27,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from lossscale_jax import _check, stuck
-from lossscale_jax._engine import Engine, EngineUpdate, check_state, skip_updates
+from lossscale_jax._engine import (
+    Check,
+    Engine,
+    EngineUpdate,
+    check_state,
+    inner_or_skip,
+    skip_updates,
+)
+from lossscale_jax._hyper import check_int
 from lossscale_jax._nesting import prepare_inner, refuse_nested_state
-from lossscale_jax._opt_states import LayerScales, LayerwiseScalingState
+from lossscale_jax._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
 from lossscale_jax._segments import segments_of
 from lossscale_jax._state import LossScaleState, initial_state, record_step
 from lossscale_jax._tap_stats import TapStats
 from lossscale_jax._unscale import inverse, unscale_leaf
+from lossscale_jax._window import acc_zeros, add_good, cleared, mean_of
 from lossscale_jax.errors import TapError
 from lossscale_jax.policies import HeadroomScale
 from lossscale_jax.taps import Modules
@@ -50,6 +59,7 @@ from lossscale_jax.taps import value_and_grad as tapped_vg
 __all__ = [
     "LayerMap",
     "LayerScales",
+    "LayerWindow",
     "LayerwiseScalingState",
     "discover",
     "layer_metrics",
@@ -166,6 +176,7 @@ def layerwise_scaling(
     local_axes: Any = None,
     on_stuck: str = "skip",
     attribution: str | None = "reduced",
+    every_k: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with per-layer loss scaling: one scale per segment, one skip decision.
 
@@ -191,6 +202,10 @@ def layerwise_scaling(
         ``HeadroomScale()``); ``init_scale`` starts every segment.
       overflow, compute_dtype, axis_name, local_axes, on_stuck, attribution: as
         ``loss_scaling``.
+      every_k: micro-batches per optimizer step (accumulation, as
+        ``loss_scaling_multi_steps``: the scales are constant within a window, each
+        micro-batch is checked and folded into the window's check, an overflowing one is
+        left out of the sum, and the rule runs once at the window's end).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes ``taps=``
@@ -219,7 +234,18 @@ def layerwise_scaling(
         attribution=attribution,
     )
     inner = prepare_inner(inner, "layerwise_scaling")
+    every_k = check_int("every_k", every_k, 1)
     n = len(layers.names)
+
+    def _empty_window(acc: Any, record: jax.Array | None) -> LayerWindow:
+        return LayerWindow(
+            mini_step=jnp.zeros([], jnp.int32),
+            overflow=jnp.zeros([], jnp.bool_),
+            segments=jnp.zeros([n + 1], jnp.bool_),
+            amax=jnp.zeros([n + 1], jnp.float32),
+            acc_grads=jax.tree_util.tree_map(jnp.zeros_like, acc),
+            leaf_overflow=record,
+        )
 
     def init_fn(params: optax.Params) -> LayerwiseScalingState:
         inner_state = inner.init(params)
@@ -232,7 +258,11 @@ def layerwise_scaling(
             growth_count=jnp.zeros([n + 1], jnp.int32),
             overflow_steps=jnp.zeros([n + 1], jnp.int32),
         )
-        return LayerwiseScalingState(one, seg, inner_state, engine.empty_record(params))
+        window = None
+        if every_k > 1:
+            acc = jax.tree_util.tree_map(acc_zeros, params)
+            window = _empty_window(acc, engine.empty_record(params))
+        return LayerwiseScalingState(one, seg, inner_state, engine.empty_record(params), window)
 
     def decide(state: LayerwiseScalingState, check: Any) -> tuple[Any, Any, jax.Array]:
         overflow = check.overflow
@@ -303,15 +333,61 @@ def layerwise_scaling(
         out, inner_state = engine.select(apply, good, skip, operands)
         return out, LayerwiseScalingState(loss_scale, new_layers, inner_state, check.flags)
 
+    def window_step(grads: Any, state: Any, params: Any, extra_args: dict) -> Any:
+        # Accumulation: as loss_scaling_multi_steps, per segment. The scales are constant
+        # within a window; each micro-batch is checked (one all-reduce) and folded.
+        state = check_state(state, LayerwiseScalingState, "layerwise_scaling")
+        taps = extra_args.pop("taps", None)
+        scales, win = state.layers.scale, state.window
+        this = engine.check_layers(grads, scales, layers, taps)
+        so_far = Check(win.overflow, win.leaf_overflow, win.amax, win.segments)
+        window = engine.fold(so_far, this)
+        unscaled = unscale(grads, scales, params)
+        acc = add_good(win.acc_grads, unscaled, this.overflow)
+
+        def inner_update(g: Any, inner_state: Any) -> Any:
+            return inner.update(g, inner_state, params, **extra_args)
+
+        shapes = jax.eval_shape(inner_update, mean_of(acc, unscaled, every_k), state.inner_state)[0]
+
+        def finish(acc_tree: Any) -> Any:
+            loss_scale, new_layers, apply = decide(state, window)
+            mean = mean_of(acc_tree, unscaled, every_k)
+            updates, inner_state = inner_or_skip(
+                engine, apply, inner_update, mean, state.inner_state, shapes
+            )
+            fresh = _empty_window(acc_tree, cleared(window.flags))
+            return updates, LayerwiseScalingState(
+                loss_scale, new_layers, inner_state, window.flags, fresh
+            )
+
+        def accumulate(acc_tree: Any) -> Any:
+            kept = LayerWindow(
+                (win.mini_step + 1).astype(jnp.int32),
+                window.overflow,
+                cast(jax.Array, window.segments),
+                cast(jax.Array, window.amax),
+                acc_tree,
+                window.flags,
+            )
+            return skip_updates(shapes), state._replace(window=kept)
+
+        return engine.select(win.mini_step >= every_k - 1, finish, accumulate, acc)
+
     def update_fn(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra: Any
     ) -> tuple[optax.Updates, LayerwiseScalingState]:
+        if every_k > 1:
+            return window_step(updates, state, params, extra)
         return step(updates, state, params, extra, fused=False)
 
     def fused_fn(grads: Any, state: Any, params: Any, **extra: Any) -> Any:
         return step(grads, state, params, extra, fused=True)
 
-    update = EngineUpdate(update_fn, engine, inner, fusable=True, fused_step=fused_fn)
+    fusable = every_k == 1  # with accumulation: the Optax path (tx.update), as multi-steps
+    update = EngineUpdate(
+        update_fn, engine, inner, fusable=fusable, fused_step=fused_fn if fusable else None
+    )
     return optax.GradientTransformationExtraArgs(init_fn, update)  # pyright: ignore
 
 

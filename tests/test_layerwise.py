@@ -372,3 +372,52 @@ def test_one_trace_and_no_host_sync():
         for x, y in batches[1:]:
             params, opt_state, _, _ = STEP(params, opt_state, x, y, none)
     assert STEP._cache_size() == traced
+
+
+def test_accumulation_folds_micro_batches_per_segment():
+    k = 3
+    tx = lw.layerwise_scaling(optax.sgd(1.0), LAYERS, POLICY, every_k=k)
+    opt_state = tx.init(PARAMS)
+    ref = ReferenceLayerwise(POLICY, len(LAYERS.names))
+
+    @jax.jit
+    def micro(opt_state, x, y, fault):
+        def scaled(p):
+            return lsj.scale_loss(loss_fn(p, (x, y)), opt_state)
+
+        _, grads, taps = lw.value_and_grad(scaled, LAYERS, opt_state)(PARAMS)
+        grads = {
+            k: jnp.where(fault == i, jnp.full_like(g, jnp.inf), g)
+            for i, (k, g) in enumerate(sorted(grads.items()))
+        }
+        updates, new_state = tx.update(grads, opt_state, PARAMS, taps=taps)
+        return updates, new_state, grads, taps
+
+    windows = [[-1, -1, -1], [-1, 1, -1], [-1, -1, -1]]  # the second window: w0 overflows
+    for faults in windows:
+        scales = np.asarray(opt_state.layers.scale)
+        over, amax, good = [False] * 4, [F32(0.0)] * 4, []
+        for t, fault in enumerate(faults):
+            updates, opt_state, grads, taps = micro(opt_state, *batch(t), fault)
+            o, a = numpy_check(grads, taps, scales)
+            over = [p or q for p, q in zip(over, o, strict=True)]
+            amax = [max(p, q) for p, q in zip(amax, a, strict=True)]
+            if not any(o):
+                good.append(
+                    {
+                        key: np.asarray(g, np.float32) / np.float32(scales[LAYERS.segments[i]])
+                        for i, (key, g) in enumerate(sorted(grads.items()))
+                    }
+                )
+            if t < k - 1:  # inside the window: no update, scales unchanged
+                assert all(not np.any(np.asarray(u)) for u in jax.tree_util.tree_leaves(updates))
+                np.testing.assert_array_equal(np.asarray(opt_state.layers.scale), scales)
+        ref.step(over, amax)
+        np.testing.assert_array_equal(np.asarray(opt_state.layers.scale), ref.scales)
+        if any(over):
+            assert bool(opt_state.loss_scale.last_skipped)
+        else:
+            inv = np.float32(1.0 / k)
+            for key in PARAMS:
+                want = -(np.sum([g[key] for g in good], axis=0, dtype=np.float32) * inv)
+                np.testing.assert_allclose(np.asarray(updates[key]), want, rtol=1e-6)

@@ -228,6 +228,7 @@ def build(mode: str, steps: int, seed: int = 0, policy_name: str = "dynamic"):
         x = jax.random.normal(k, (32, 8), jnp.float16)
         y = jnp.sin(x[:, :4])
         p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
+
         def scaled(p):
             return lsj.scale_loss(loss_fn(p, x, y), opt_state)
 
