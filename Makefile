@@ -59,6 +59,7 @@ docs-outputs: $(STAMP)
 		$(BIN)/python examples/$$name.py > $(EXAMPLE_OUT)/$$name.txt || exit 1; done
 	$(BIN)/python examples/train_digits.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
 	$(BIN)/python examples/train_gpt.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
+	$(BIN)/python examples/train_layerwise.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
 
 # The docstring examples alone (the test suite runs them too).
 doctest: $(STAMP)

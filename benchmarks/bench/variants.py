@@ -82,6 +82,41 @@ def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None, policy=None
     return _full_step(loss, pattern, post, scale_in), post, tx.init, lsj_scale_of
 
 
+def variant_layerwise(loss, pattern):
+    """``lsj.layerwise_scaling`` (one scale per layer tap of the workload), fused, its
+    ``HeadroomScale`` pinned at ``INIT_SCALE`` in every segment (every tap's factor is 1):
+    the whole per-layer rule runs and no scale moves. A full step only: its update takes
+    the taps of the backward pass, which a post step on precomputed gradients has not."""
+    holder: dict = {}
+
+    def init(params):
+        target = params if pattern == "fp32grad" else to16(params)
+        layers = lsj.layerwise.discover(
+            lambda p, x, y: loss(to16(p), x, y), target, *loss.example_batch
+        )
+        tx = lsj.layerwise_scaling(optax.adam(LR), layers, headroom_pinned())
+        holder.update(layers=layers, tx=tx)
+        return tx.init(params)
+
+    def full(params, state, x, y):
+        layers, tx = holder["layers"], holder["tx"]
+
+        def scaled(p):
+            value = loss(to16(p), x, y)
+            return lsj.scale_loss(value, state), value
+
+        target = params if pattern == "fp32grad" else to16(params)
+        (_, value), grads, taps = lsj.layerwise.value_and_grad(scaled, layers, state, has_aux=True)(
+            target
+        )
+        return (*lsj.apply_gradients(tx, grads, state, params, taps=taps), value)
+
+    def post(params, state, grads):
+        raise ValueError("lsj_layerwise times full steps only (its update takes the taps).")
+
+    return full, post, init, lsj_scale_of
+
+
 def variant_jmp(loss, pattern):
     import jmp
 
@@ -195,6 +230,7 @@ VARIANTS |= {
     "lsj_optax_headroom_ieee": functools.partial(
         variant_lsj, fused=False, mode="ieee", policy=headroom_pinned
     ),
+    "lsj_layerwise": variant_layerwise,
 }
 
 PEERS = ("jmp", "flax", "optax_if_finite")

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import lossscale_jax as lsj
+
 F16 = jnp.float16
 F32 = jnp.float32
 INIT_SCALE = 2.0**12
@@ -92,7 +94,10 @@ def init_params(spec: dict[str, Any], layout: str, rng: np.random.Generator) -> 
 
 
 def make_loss(spec: dict[str, Any], layout: str) -> Callable:
-    """A float16 forward pass; the loss comes back in float32."""
+    """A float16 forward pass; the loss comes back in float32.
+
+    Each hidden layer's output (the residual stream after each block) is a layer tap
+    (``lsj.tap``): the identity for every step but the per-layer one, which scales there."""
 
     def dense(h, kernel, bias):
         return (h @ kernel if layout == "in_out" else h @ kernel.T) + bias
@@ -105,10 +110,11 @@ def make_loss(spec: dict[str, Any], layout: str) -> Callable:
             for i in range(n):
                 h = dense(h, leaves[2 * i], leaves[2 * i + 1])
                 if i < n - 1:
-                    h = jax.nn.relu(h)
+                    h = lsj.tap(jax.nn.relu(h), f"layer{i:03d}")
         else:
             for i in range(len(leaves) // 2):
                 h = h + jnp.tanh(dense(h, leaves[2 * i], leaves[2 * i + 1]))
+                h = lsj.tap(h, f"block{i:03d}")
         return h
 
     def loss(p16, x, y):
@@ -176,4 +182,6 @@ def build_case(case: str) -> Case:
         )
     else:
         args = (x, y)
-    return Case(workload, layout, pattern, kind, params, make_loss(spec, layout), args)
+    loss = make_loss(spec, layout)
+    loss.example_batch = (x, y)  # pyright: ignore  # what lsj_layerwise finds its taps with
+    return Case(workload, layout, pattern, kind, params, loss, args)
