@@ -28,9 +28,10 @@ module          originals
 
 Runs already training elsewhere come across with ``import_state`` (torch,
 DeepSpeed, Megatron, Keras, jmp, Flax, fairseq, metaseq, Colossal-AI;
-DeepSpeed's fp16 optimizers: ``import_fp16_optimizer_state``), which returns ``(policy, LossScaleState)``
-from what the original saves, and ``lossscale_jax.set_loss_scale_state``, which puts the
-state into a fresh optimizer state; ``export_state`` goes the other way.
+DeepSpeed's fp16 optimizers: ``import_fp16_optimizer_state``), which
+returns ``(policy, LossScaleState)`` from what the original saves, and
+``lossscale_jax.set_loss_scale_state``, which puts the state into a fresh
+optimizer state; ``export_state`` goes the other way.
 
 Two deviations are shared and deliberate: the scale never becomes ``inf``
 (a growth whose float32 result is not finite is refused, where Megatron,
