@@ -162,12 +162,13 @@ class FairseqScale(LossScalePolicy):
         if self.metaseq:
             wider = jnp.where(window > I32_MAX // factor_i, I32_MAX, window * factor_i)
             good_window = jnp.where(grow_ok, wider, window).astype(i32)
+            hyst = jnp.where(overflow, bad_window, good_window)
             good_count = good
         else:
+            hyst = zero
             good_count = jnp.where(grow, zero, good)
 
         new_scale = jnp.where(overflow, bad_scale, good_scale)
-        hyst = jnp.where(overflow, bad_window, good_window) if self.metaseq else zero
         return record_step(
             state,
             overflow,
