@@ -76,8 +76,8 @@ def DynamicGradScaler(
     as here).
 
     Args:
-      initial_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
-        hysteresis: as in Colossal-AI (its defaults).
+      initial_scale, growth_factor, backoff_factor, growth_interval: as in Colossal-AI.
+      min_scale, max_scale, hysteresis: as in Colossal-AI (see above for None, 0).
       verbose: Colossal-AI's logging switch; checked, and has no effect here
         (read ``lsj.metrics``).
 
