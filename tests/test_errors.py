@@ -683,6 +683,30 @@ CASES += [
         TypeError,
         "transforms must be a non-empty mapping",
     ),
+    (
+        "fairseq tolerance",
+        lambda: compat.fairseq.DynamicLossScaler(tolerance=0.25),
+        ValueError,
+        "tolerance > 0 is not supported (got 0.25): fairseq then compares",
+    ),
+    (
+        "metaseq fractional factor",
+        lambda: compat.metaseq.DynamicLossScaler(scale_factor=1.5),
+        ValueError,
+        "scale_factor must be a whole number for metaseq's scaler",
+    ),
+    (
+        "fairseq import without loss_scale",
+        lambda: compat.fairseq.import_state({"state": {}}),
+        ValueError,
+        "the fairseq optimizer state_dict has no 'loss_scale' entry",
+    ),
+    (
+        "colossalai min above initial",
+        lambda: compat.colossalai.DynamicGradScaler(initial_scale=1.0, min_scale=2.0),
+        ValueError,
+        "min_scale must be > 0 and <= initial_scale",
+    ),
 ]
 
 

@@ -21,13 +21,17 @@ module          originals
 ``mindspore``   MindSpore ``DynamicLossScaleManager`` / ``FixedLossScaleManager``
 ``jmp``         jmp ``DynamicLossScale`` / ``StaticLossScale`` / ``NoOpLossScale``
 ``flax``        Flax ``flax.training.dynamic_scale.DynamicScale``
+``fairseq``     fairseq ``DynamicLossScaler`` (its FP16 optimizers' scaler)
+``metaseq``     metaseq ``DynamicLossScaler`` (OPT's; the window follows the scale)
+``colossalai``  Colossal-AI ``DynamicGradScaler``
 ==============  ===========================================================
 
 Runs already training elsewhere come across with ``import_state`` (torch,
-DeepSpeed, Megatron, Keras, jmp, Flax; DeepSpeed's fp16 optimizers:
-``import_fp16_optimizer_state``), which returns ``(policy, LossScaleState)``
-from what the original saves, and ``lossscale_jax.set_loss_scale_state``, which puts the
-state into a fresh optimizer state; ``export_state`` goes the other way.
+DeepSpeed, Megatron, Keras, jmp, Flax, fairseq, metaseq, Colossal-AI;
+DeepSpeed's fp16 optimizers: ``import_fp16_optimizer_state``), which
+returns ``(policy, LossScaleState)`` from what the original saves, and
+``lossscale_jax.set_loss_scale_state``, which puts the state into a fresh
+optimizer state; ``export_state`` goes the other way.
 
 Two deviations are shared and deliberate: the scale never becomes ``inf``
 (a growth whose float32 result is not finite is refused, where Megatron,
@@ -39,12 +43,15 @@ values to zero, and a zero scale trains nothing).
 
 from lossscale_jax.compat import (
     apex,
+    colossalai,
     cstorch,
     deepspeed,
+    fairseq,
     flax,
     jmp,
     keras,
     megatron,
+    metaseq,
     mindspore,
     npu,
     torch,
@@ -52,12 +59,15 @@ from lossscale_jax.compat import (
 
 __all__ = [
     "apex",
+    "colossalai",
     "cstorch",
     "deepspeed",
+    "fairseq",
     "flax",
     "jmp",
     "keras",
     "megatron",
+    "metaseq",
     "mindspore",
     "npu",
     "torch",

@@ -1,0 +1,190 @@
+"""The scale rule of fairseq's and metaseq's ``DynamicLossScaler`` as one policy.
+
+Re-exported through ``compat.fairseq`` and ``compat.metaseq`` (see their docstrings):
+both grow after ``scale_window`` good steps since the last overflow, back off on every
+overflow (``tolerance=0``), floor a backoff at ``threshold`` and refuse to go below
+``min_loss_scale``. metaseq also doubles (halves) the window with each growth (backoff).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from lossscale_jax._state import (
+    I32_MAX,
+    LossScaleState,
+    initial_state,
+    record_step,
+    safe_increment,
+    with_scale,
+)
+from lossscale_jax.compat._common import _TINY, _int, _number
+from lossscale_jax.policies import LossScalePolicy
+
+_F32 = np.float32
+
+
+def _f32_below(x: float) -> float:
+    """The largest float32 <= ``x``: ``s <= x`` iff ``s <= _f32_below(x)`` for a float32 ``s``."""
+    y = _F32(x)
+    return float(np.nextafter(y, _F32(-np.inf))) if float(y) > x else float(y)
+
+
+def _f32_above(x: float) -> float:
+    """The smallest float32 >= ``x``: ``s < x`` iff ``s < _f32_above(x)`` for a float32 ``s``."""
+    y = _F32(x)
+    return float(np.nextafter(y, _F32(np.inf))) if float(y) < x else float(y)
+
+
+def check_args(
+    init_scale: float,
+    scale_factor: float,
+    scale_window: int,
+    tolerance: float,
+    threshold: float | None,
+    min_loss_scale: float,
+    peer: str,
+) -> tuple[float, float, int, float | None, float]:
+    """The arguments as Python numbers, or the ``ValueError``/``TypeError`` naming the bad one."""
+    init = _number("init_scale", init_scale)
+    if not (math.isfinite(float(_F32(init))) and init > 0.0):
+        raise ValueError(f"init_scale must be a finite float32 number > 0, got {init_scale!r}.")
+    factor = _number("scale_factor", scale_factor)
+    if not (math.isfinite(factor) and factor > 1.0):
+        raise ValueError(f"scale_factor must be a finite number > 1, got {scale_factor!r}.")
+    window = _int("scale_window", scale_window)
+    if window < 1:
+        raise ValueError(f"scale_window must be an int >= 1, got {scale_window!r}.")
+    if _number("tolerance", tolerance) > 0.0:
+        raise ValueError(
+            f"tolerance > 0 is not supported (got {tolerance!r}): {peer} then compares the "
+            "overflows since the last backoff with the iterations since the last rescale, a "
+            "third counter LossScaleState does not hold. Use tolerance=0 ("
+            f"{peer}'s default: every overflow backs off), or lossscale_jax."
+            "TolerantDynamicScale(overflow_tolerance=...) for a rule that tolerates a "
+            "fraction of overflows."
+        )
+    if threshold is not None:
+        threshold = _number("threshold", threshold)
+        if not (math.isfinite(threshold) and threshold >= 0.0):
+            raise ValueError(f"threshold must be None or a finite number >= 0, got {threshold!r}.")
+    lo = _number("min_loss_scale", min_loss_scale)
+    if not (math.isfinite(lo) and lo >= 0.0):
+        raise ValueError(f"min_loss_scale must be a finite number >= 0, got {min_loss_scale!r}.")
+    return init, factor, window, threshold, lo
+
+
+@dataclasses.dataclass(frozen=True)
+class FairseqScale(LossScalePolicy):
+    """fairseq's (``metaseq=False``) or metaseq's ``DynamicLossScaler`` rule, ``tolerance=0``.
+
+    Rule (one step; float32 scale; ``a`` = good steps since the last overflow)::
+
+      if overflow:                                  # the update is skipped
+          new = scale / scale_factor
+          if threshold is not None: new = max(new, threshold)
+          if metaseq: window = max(window // scale_factor, 1)
+          if new <= min_loss_scale (fairseq) / new < min_loss_scale (metaseq):
+              new = scale                           # fairseq raises FloatingPointError
+          scale = new; a = 0
+      else:
+          a += 1
+          if a % window == 0:                       # fairseq: window = scale_window
+              scale = scale * scale_factor          # refused if not finite in float32
+              if metaseq: window = window * scale_factor
+
+    ``stuck`` is set by an overflow that leaves the scale where it was (fairseq's
+    ``FloatingPointError``, metaseq's skip at its minimum, or the scale pinned at
+    ``threshold``). A scale below ``2**-126`` counts as below ``min_loss_scale``.
+
+    State: ``growth_count`` holds ``a`` (fairseq: ``a % scale_window``; metaseq: ``a``
+    itself, since its window changes); metaseq keeps its window in ``hysteresis_count``
+    (a count of 0 or less, as in a state made by another policy, reads as
+    ``scale_window``, the window a fresh or reloaded metaseq scaler has). fairseq keeps
+    ``hysteresis_count`` at 0.
+    """
+
+    init_scale: float = 2.0**15
+    scale_factor: float = 2.0
+    scale_window: int = 2000
+    threshold: float | None = None
+    min_loss_scale: float = 1e-4
+    metaseq: bool = False
+
+    def init(self) -> LossScaleState:
+        state = initial_state(self.init_scale)
+        if self.metaseq:
+            state = state.replace(hysteresis_count=jnp.asarray(self.scale_window, jnp.int32))
+        return state
+
+    def adjust(
+        self, state: LossScaleState, overflow: ArrayLike, amax: ArrayLike | None = None
+    ) -> LossScaleState:
+        overflow = jnp.asarray(overflow)
+        if overflow.shape != ():
+            raise ValueError(f"overflow must be a scalar, got shape {overflow.shape}.")
+        overflow = overflow.astype(jnp.bool_)
+        f32, i32 = jnp.float32, jnp.int32
+        scale = state.scale
+        factor = jnp.asarray(self.scale_factor, f32)
+        zero = jnp.zeros([], i32)
+        window = jnp.asarray(self.scale_window, i32)
+        if self.metaseq:
+            window = jnp.where(state.hysteresis_count > 0, state.hysteresis_count, window)
+
+        # Overflow branch.
+        new = scale / factor
+        if self.threshold is not None:
+            new = jnp.maximum(new, jnp.asarray(self.threshold, f32))
+        if self.metaseq:
+            too_low = new < jnp.asarray(max(_f32_above(self.min_loss_scale), _TINY), f32)
+        else:
+            too_low = jnp.logical_or(
+                new <= jnp.asarray(_f32_below(self.min_loss_scale), f32),
+                new < jnp.asarray(_TINY, f32),
+            )
+        bad_scale = jnp.where(too_low, scale, new)
+        factor_i = int(self.scale_factor)  # metaseq's factor is a whole number (checked)
+        bad_window = jnp.maximum(window // factor_i, 1).astype(i32)
+
+        # Good branch.
+        good = safe_increment(jnp.maximum(state.growth_count, zero))
+        # metaseq's window changes, so it counts on past a growth; fairseq's count restarts.
+        grow = good % window == 0 if self.metaseq else good >= window
+        grown = scale * factor
+        grow_ok = jnp.logical_and(grow, jnp.isfinite(grown))
+        good_scale = jnp.where(grow_ok, grown, scale)
+        if self.metaseq:
+            wider = jnp.where(window > I32_MAX // factor_i, I32_MAX, window * factor_i)
+            good_window = jnp.where(grow_ok, wider, window).astype(i32)
+            hyst = jnp.where(overflow, bad_window, good_window)
+            good_count = good
+        else:
+            hyst = zero
+            good_count = jnp.where(grow, zero, good)
+
+        new_scale = jnp.where(overflow, bad_scale, good_scale)
+        return record_step(
+            state,
+            overflow,
+            overflow,
+            stuck=jnp.logical_and(overflow, jnp.logical_not(bad_scale < scale)),
+            scale=new_scale,
+            growth_count=jnp.where(overflow, zero, good_count),
+            hysteresis_count=hyst,
+        )
+
+    def conform(self, state: LossScaleState) -> LossScaleState:
+        """``state`` unchanged if its scale is a finite float32 number > 0, else at ``init_scale``.
+
+        fairseq and metaseq have no cap and floor the scale only on a backoff, so any
+        such scale is one they can hold.
+        """
+        scale = state.scale
+        ok = jnp.logical_and(jnp.isfinite(scale), scale > 0)
+        return with_scale(state, jnp.where(ok, scale, jnp.asarray(self.init_scale, jnp.float32)))
