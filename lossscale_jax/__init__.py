@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lossscale_jax import _flax_serialization, errors, layerwise, taps, testing
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
 from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orbax
-from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, diagnose
+from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, TapDiagnosis, diagnose
 from lossscale_jax.fused import apply_gradients
 from lossscale_jax.layerwise import layerwise_scaling
 from lossscale_jax.numerics import (
@@ -89,6 +89,7 @@ __all__ = [
     "LossScalingState",
     "NoScale",
     "StaticScale",
+    "TapDiagnosis",
     "TapStats",
     "TolerantDynamicScale",
     "TrainState",

@@ -161,9 +161,16 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def verdict(base: str, loss_finite: bool, taps: tuple[TapDiagnosis, ...], tolerance: float) -> str:
+def verdict(
+    base: str,
+    loss_finite: bool,
+    taps: tuple[TapDiagnosis, ...],
+    tolerance: float,
+    scaling_needed: bool = True,
+) -> str:
     """The model's verdict with the localizer's findings: the first module whose float16
-    forward output leaves the range (instead of "the layers"), where underflow starts."""
+    forward output leaves the range (instead of "the layers"), and, when a scale is
+    needed, where the backward gradients start to underflow."""
     hot = first_overflow(taps)
     if hot is not None:
         where = (
@@ -177,7 +184,7 @@ def verdict(base: str, loss_finite: bool, taps: tuple[TapDiagnosis, ...], tolera
             )
         else:
             base = f"{base}; {where}: keep {hot.name} in float32"
-    cold = underflow_start(taps, tolerance)
+    cold = underflow_start(taps, tolerance) if scaling_needed else None
     if cold is not None:
         base += (
             f"; the backward gradients start to underflow at {cold.name} "

@@ -107,7 +107,7 @@ class TapStats:
       names: the tap names, in forward order (a module path, ``"loss"``, or the
         name given to ``lsj.tap``; a name met again in one pass gets ``#2``, ``#3``).
       dtypes: the dtype of each tapped value (its cotangent has the same dtype).
-      values: one float32 vector per tap (layout in ``lossscale_jax._tap_stats``).
+      values: one float32 vector per tap (its layout: the statistics the methods below read).
       scaled: the taps that multiplied the backward signal by a per-layer factor
         (``lsj.layerwise.value_and_grad``); empty otherwise.
     """
@@ -130,10 +130,12 @@ class TapStats:
             )
 
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[str, ...], ...]]:
+        """The vectors (the pytree's leaves), and the names, dtypes and scaled taps."""
         return self.values, (self.names, self.dtypes, self.scaled)
 
     @classmethod
     def tree_unflatten(cls, aux: Any, values: Any) -> TapStats:
+        """The inverse of ``tree_flatten``."""
         return cls(aux[0], aux[1], values, aux[2])
 
     @classmethod
@@ -155,8 +157,9 @@ class TapStats:
         return self._field(USES)
 
     def max_abs(self) -> dict[str, jax.Array]:
-        """Per tap, max |cotangent| over its finite entries (see the module docstring:
-        exact for a tap used once, an upper bound within a factor of 2 otherwise)."""
+        """Per tap, the largest magnitude of the cotangent's finite entries: exact for a
+        tap used once, an upper bound within a factor of 2 otherwise (see the module
+        docstring)."""
         out = {}
         for n, v in zip(self.names, self.values, strict=True):
             seen = v[..., HEAD:] > 0
@@ -178,7 +181,7 @@ class TapStats:
         }
 
     def forward_max_abs(self) -> dict[str, jax.Array]:
-        """Per tap, max |activation| over its finite entries (0 unless the forward
+        """Per tap, the largest magnitude of the activation's finite entries (0 unless the forward
         statistics were recorded; a sum over uses, like ``max_abs``'s MAX)."""
         return self._field(FWD_MAX)
 

@@ -337,7 +337,13 @@ def _localize(
     return dataclasses.replace(
         report,
         taps=taps,
-        verdict=_localizer.verdict(report.verdict, report.loss_finite, taps, report.tolerance),
+        verdict=_localizer.verdict(
+            report.verdict,
+            report.loss_finite,
+            taps,
+            report.tolerance,
+            scaling_needed=report.verdict != NO_SCALING,
+        ),
     )
 
 

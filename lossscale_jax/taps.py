@@ -44,7 +44,8 @@ from lossscale_jax._tapping import (
 )
 from lossscale_jax.errors import TapError
 
-__all__ = ["Modules", "TapStats", "discover", "recording", "tap", "value_and_grad"]
+# TapStats is documented where lossscale_jax exports it (lsj.TapStats); it stays importable here.
+__all__ = ["discover", "recording", "tap", "value_and_grad"]
 
 #: Which modules are tapped: all (``True``), none (``False``), or those a predicate accepts.
 Modules = bool | Callable[[Any], bool]
@@ -162,7 +163,8 @@ def discover(
 
     Args:
       fun: the function (it may call ``recording`` itself, as an NNX loss does).
-      *args, **kwargs: its arguments (arrays or shapes).
+      args: its positional arguments (arrays or shapes); keyword arguments are passed
+        on too.
       modules: which Flax Linen modules to tap (as ``recording``).
 
     Returns:
