@@ -34,6 +34,9 @@ LONGEST_FIRST = (
     "test_performance.py",  # 60 s
     "test_engine_properties.py",  # 45 s
     "test_docs.py",  # 38 s
+    "test_layerwise.py",  # 30 s
+    "test_compat_flax_dropin.py",  # 22 s
+    "test_taps.py",  # 20 s
     "test_reliability_soak.py",  # 24 s
     "test_data_parallel.py",  # 26 s
     "test_composition.py",  # 21 s
