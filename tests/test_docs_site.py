@@ -225,7 +225,10 @@ def _public_paths() -> set[str]:
     """Every public name the API reference must show, computed from the package."""
     paths = {f"lossscale_jax.{n}" for n in lossscale_jax.__all__}
     # pages of their own
-    paths -= {"lossscale_jax.compat", "lossscale_jax.testing", "lossscale_jax.errors"}
+    own_pages = ("compat", "testing", "errors", "taps", "layerwise")
+    paths -= {f"lossscale_jax.{n}" for n in own_pages}
+    paths |= {f"lossscale_jax.taps.{n}" for n in lossscale_jax.taps.__all__}
+    paths |= {f"lossscale_jax.layerwise.{n}" for n in lossscale_jax.layerwise.__all__}
     for namespace in compat.__all__:
         obj = getattr(compat, namespace)
         members = (

@@ -385,10 +385,18 @@ def test_benchmark_prototypes_still_trace_and_stay_finite():
     """Every variant outside the default run, the `proto_*` ones (the formulations
     docs/performance.md compares against) and the HeadroomScale steps, runs against the library
     as it is now: each compiles, trains and keeps its scale."""
-    names = ["plain", *(n for n in variants.VARIANTS if n not in variants.DEFAULT_VARIANTS)]
+    full_only = ["lsj_layerwise"]  # its update takes the taps of the backward pass
+    names = [
+        "plain",
+        *(n for n in variants.VARIANTS if n not in (*variants.DEFAULT_VARIANTS, *full_only)),
+    ]
     assert set(prototypes.PROTOTYPES) < set(names)  # and the two HeadroomScale steps
     rows = harness.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
     assert [r["variant"] for r in rows] == names
+    assert all(r["refused"] is None and r["conditionals"] == 1 for r in rows[1:]), rows
+    rows = harness.run_case(
+        "tiny/in_out/fp16grad/full", ["plain", *full_only], 1, 1, False, lambda m: None
+    )
     assert all(r["refused"] is None and r["conditionals"] == 1 for r in rows[1:]), rows
 
 
