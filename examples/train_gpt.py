@@ -576,6 +576,8 @@ def diagnose_model(quick: bool = False) -> lsj.Diagnosis:
     Seed 0's initial float32 weights, the first micro-batches seed 0 trains on, float16
     compute as in the training step (the weights cast to float16, the loss weight
     applied to the float32 loss); the float32 reference is the same program in float32.
+    The blocks and the model are tapped, so it also localizes (per block: where the
+    underflow starts); ``quick`` leaves the localizer's three passes out.
     """
     corpus = load_corpus()
     tokens = jnp.asarray(corpus.train)
@@ -598,6 +600,7 @@ def diagnose_model(quick: bool = False) -> lsj.Diagnosis:
         scales=scales,
         print_table=False,
         modules=tapped,
+        localize=not quick,  # --quick: the per-leaf rows only (the localizer's passes cost)
     )
 
 

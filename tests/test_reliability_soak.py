@@ -25,8 +25,18 @@ def soak(mode, policy):
     return fault_soak.run_soak(mode, STEPS, seed=1, policy_name=policy)
 
 
-@pytest.mark.parametrize("policy", fault_soak.POLICY_NAMES)
-@pytest.mark.parametrize("mode", ["ieee", "saturating", "both"])
+# headroom_taps (uncapped, the taps hand it the float16 loss's ceiling) in "both" mode, which
+# injects every kind of fault; the three modes ran clean over 10,000 steps
+# (docs/reliability.md).
+CASES = [
+    (mode, policy)
+    for policy in fault_soak.POLICY_NAMES
+    for mode in ("ieee", "saturating", "both")
+    if policy != "headroom_taps" or mode == "both"
+]
+
+
+@pytest.mark.parametrize("mode,policy", CASES)
 def test_soak(mode, policy):
     result = soak(mode, policy)
     fault_soak.check(result)
