@@ -600,7 +600,7 @@ def diagnose_model(quick: bool = False) -> lsj.Diagnosis:
         scales=scales,
         print_table=False,
         modules=tapped,
-        localize=not quick,  # --quick: the per-leaf rows only (the localizer's passes cost)
+        localize=not quick,  # --quick: the per-leaf rows only
     )
 
 

@@ -343,12 +343,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=LR)
     p.add_argument("--out", default="out")
     p.add_argument(
-        "--quick", action="store_true", help="a smoke run: 30 steps, 2 seeds"
+        "--quick", action="store_true", help="a smoke run: 4 layers, 30 steps, 2 seeds"
     )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.seeds, args.probe_every = 30, 2, 15
+        args.steps, args.seeds, args.probe_every, args.depth = 30, 2, 15, 4
     return args
 
 

@@ -25,4 +25,4 @@ def test_quick_run_writes_results_table_and_plot(tmp_path):
     assert all(f"`{c}`" in table for c in configs)
     assert (tmp_path / "layerwise_scales.png").stat().st_size > 0
     assert "span:" in (tmp_path / "layerwise_diagnosis.txt").read_text()
-    assert out["span"] > 15
+    assert out["span"] > 5  # --quick: 4 layers (the default 10 span about 21 octaves)
