@@ -24,10 +24,12 @@ module          originals
 ``fairseq``     fairseq ``DynamicLossScaler`` (its FP16 optimizers' scaler)
 ``metaseq``     metaseq ``DynamicLossScaler`` (OPT's; the window follows the scale)
 ``colossalai``  Colossal-AI ``DynamicGradScaler``
+``paddle``      PaddlePaddle ``paddle.amp.GradScaler``, the ``update_loss_scaling`` op
 ==============  ===========================================================
 
 Runs already training elsewhere come across with ``import_state`` (torch,
-DeepSpeed, Megatron, Keras, jmp, Flax, fairseq, metaseq, Colossal-AI;
+DeepSpeed, Megatron, Keras, jmp, Flax, fairseq, metaseq, Colossal-AI,
+Paddle;
 DeepSpeed's fp16 optimizers: ``import_fp16_optimizer_state``), which
 returns ``(policy, LossScaleState)`` from what the original saves, and
 ``lossscale_jax.set_loss_scale_state``, which puts the state into a fresh
@@ -54,6 +56,7 @@ from lossscale_jax.compat import (
     metaseq,
     mindspore,
     npu,
+    paddle,
     torch,
 )
 
@@ -70,5 +73,6 @@ __all__ = [
     "metaseq",
     "mindspore",
     "npu",
+    "paddle",
     "torch",
 ]
