@@ -784,7 +784,7 @@ def test_each_framework_is_a_module_of_the_compat_package():
     import importlib
 
     frameworks = ["apex", "cstorch", "deepspeed", "flax", "jmp", "keras", "megatron"]
-    frameworks += ["mindspore", "npu", "torch", "fairseq", "metaseq", "colossalai"]
+    frameworks += ["mindspore", "npu", "torch", "fairseq", "metaseq", "colossalai", "paddle"]
     assert sorted(compat.__all__) == sorted(frameworks)
     for name in frameworks:
         module = importlib.import_module(f"lossscale_jax.compat.{name}")

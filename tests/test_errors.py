@@ -707,6 +707,24 @@ CASES += [
         ValueError,
         "min_scale must be > 0 and <= initial_scale",
     ),
+    (
+        "paddle incr_ratio",
+        lambda: compat.paddle.GradScaler(incr_ratio=1.0),
+        ValueError,
+        "The incr_ratio must be > 1.0",
+    ),
+    (
+        "paddle op scale below 1",
+        lambda: compat.paddle.update_loss_scaling(init_loss_scaling=0.5),
+        ValueError,
+        "init_loss_scaling must be >= 1 for update_loss_scaling",
+    ),
+    (
+        "paddle empty state_dict",
+        lambda: compat.paddle.import_state({}),
+        ValueError,
+        "The input state dict is empty",
+    ),
 ]
 
 
