@@ -121,9 +121,13 @@ def GradScaler(
     ``NoScale()`` (Paddle then steps the optimizer unchecked).
 
     Args:
-      enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
-        decr_every_n_nan_or_inf, use_dynamic_loss_scaling: as in Paddle; the
-        two counts must be ints >= 1 (Paddle's ``==`` never fires for 0).
+      enable: scale at all (False: ``NoScale()``).
+      init_loss_scaling: the starting scale, finite and > 0.
+      incr_ratio: > 1. decr_ratio: in (0, 1).
+      incr_every_n_steps: good steps in a row before a growth (int >= 1;
+        Paddle's ``==`` never fires for 0).
+      decr_every_n_nan_or_inf: overflows in a row before a backoff (int >= 1).
+      use_dynamic_loss_scaling: False gives ``StaticScale(init_loss_scaling)``.
 
     Returns:
       A ``DynamicScale``, ``StaticScale`` or ``NoScale``.
