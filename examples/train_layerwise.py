@@ -1,12 +1,15 @@
 """Per-layer loss scaling where one global scale cannot serve the whole network.
 
-A deep plain MLP (no normalisation, no residuals) learns scikit-learn's digits.
-Its sigmoid layers with Glorot's standard initialisation are Glorot & Bengio's
-(2010) vanishing-gradient setting: each layer multiplies the backward signal by
-about a quarter (the sigmoid's slope is at most 1/4), so the layers' gradients
-shrink by about two octaves per layer from the loss towards the input. Over the
-depth used here they span more than float16's window (2**-24 .. 65504, about 40
-octaves): ``lsj.diagnose`` measures it first (``OUT/layerwise_diagnosis.txt``).
+A wide & deep model (Cheng et al., 2016: a linear "wide" part beside a deep MLP,
+their logits added) learns scikit-learn's digits. The deep part is a plain MLP (no
+normalisation, no residuals) whose sigmoid layers with Glorot's standard
+initialisation are Glorot & Bengio's (2010) vanishing-gradient setting: each layer
+multiplies the backward signal by about a quarter (the sigmoid's slope is at most
+1/4), so the layers' gradients shrink by about two octaves per layer from the loss
+towards the input. Over the 20 layers used here they span more than float16's window
+(2**-24 .. 65504, about 40 octaves): ``lsj.diagnose`` measures it first
+(``OUT/layerwise_diagnosis.txt``). The wide part keeps the model trainable in float32
+at that depth (a deep plain MLP alone does not train there).
 
 Four configurations, the same seeds and batches:
 
@@ -54,7 +57,7 @@ import lossscale_jax as lsj
 
 F16, F32 = jnp.float16, jnp.float32
 
-DEPTH = 10  # hidden layers: the deepest this net trains in float32 here
+DEPTH = 20  # hidden layers of the deep part
 WIDTH = 32
 GAIN = 1.0  # Glorot-normal, as it comes
 ACTIVATION = "sigmoid"
@@ -79,8 +82,11 @@ def load_data(seed: int = 0):
 
 
 def init_params(seed: int, depth: int, width: int, gain: float) -> list[dict]:
-    """Glorot-normal weights (times ``gain`` in the hidden layers), zero biases."""
+    """The deep part's layers (Glorot-normal weights, times ``gain`` in the hidden
+    layers; zero biases), its head, then the wide part (a linear map of the input)."""
     dims = [64] + [width] * depth + [10]
+    wide_key = jax.random.fold_in(jax.random.key(seed), 10_000)
+    wide = {"w": jax.random.normal(wide_key, (64, 10), F32) * (1.0 / 64) ** 0.5}
     params = []
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
         key = jax.random.fold_in(jax.random.key(seed), i)
@@ -88,22 +94,25 @@ def init_params(seed: int, depth: int, width: int, gain: float) -> list[dict]:
         params.append(
             {"w": jax.random.normal(key, (a, b), F32) * std, "b": jnp.zeros(b, F32)}
         )
-    return params
+    return [*params, wide]
 
 
 def make_loss(dtype: Any, activation: str):
-    """``loss(params, (x, y))``: the MLP in ``dtype`` on float32 master weights, each
-    hidden layer's output tapped (``lsj.tap``), the cross-entropy in float32."""
+    """``loss(params, (x, y))``: the model in ``dtype`` on float32 master weights, each
+    hidden layer's output tapped (``lsj.tap``), the deep part's logits plus the wide
+    part's, the cross-entropy in float32."""
     act = {"sigmoid": jax.nn.sigmoid, "tanh": jnp.tanh}[activation]
 
     def loss(params, batch):
         x, y = batch
         h = x.astype(dtype)
-        *hidden, head = params
+        *hidden, head, wide = params
+        inputs = h
         for i, p in enumerate(hidden):
             w, b = p["w"].astype(dtype), p["b"].astype(dtype)
             h = lsj.tap(act(h @ w + b), f"layer{i:02d}")
-        logits = (h @ head["w"].astype(dtype) + head["b"].astype(dtype)).astype(F32)
+        deep = h @ head["w"].astype(dtype) + head["b"].astype(dtype)
+        logits = (deep + inputs @ wide["w"].astype(dtype)).astype(F32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     return loss
