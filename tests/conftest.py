@@ -6,12 +6,31 @@ library's own code is checked under ``jax.numpy_dtype_promotion("strict")`` in i
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# One XLA compilation cache for the processes of a run (the xdist workers inherit the
+# folder the first process makes): a program compiled again, by another module or on the
+# other worker, is read back instead. Removed when the run ends.
+_CACHE_OWNER = "LSJ_TEST_COMPILATION_CACHE" not in os.environ
+if _CACHE_OWNER:
+    os.environ["LSJ_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="lsj-test-xla-cache-")
+_CACHE = os.environ["LSJ_TEST_COMPILATION_CACHE"]
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _CACHE_OWNER:
+        shutil.rmtree(_CACHE, ignore_errors=True)
+
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
