@@ -24,19 +24,10 @@ import numpy as np
 
 from lossscale_jax._tap_stats import TapStats
 from lossscale_jax._tapping import Recorder, recorder, tap_of_equation, validate_modules
+from lossscale_jax._upcast import INLINE_CALLS
 from lossscale_jax.errors import TapError
 
 MIXED = None  # the marker of a leaf whose paths pass different taps
-_CALLS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-}
 Deps = dict[int, frozenset | None]  # leaf -> taps passed (MIXED: paths disagree)
 
 
@@ -75,8 +66,8 @@ def _walk(jaxpr: jcore.Jaxpr, ins: list[Deps], sink_tap: dict[Any, int]) -> list
             j = sink_tap.get(sink)
             x = args[consts]
             outs = [{k: (t if t is MIXED or j is None else t | {j}) for k, t in x.items()}]
-        elif name in _CALLS and _CALLS[name] in eqn.params:
-            body = eqn.params[_CALLS[name]]
+        elif name in INLINE_CALLS and INLINE_CALLS[name] in eqn.params:
+            body = eqn.params[INLINE_CALLS[name]]
             inner = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
             # the sinks of taps inside a call are the call's operands: map them through
             inner_sinks = {
@@ -84,8 +75,6 @@ def _walk(jaxpr: jcore.Jaxpr, ins: list[Deps], sink_tap: dict[Any, int]) -> list
                 for iv, ov in zip(inner.invars, eqn.invars, strict=False)
                 if not isinstance(ov, jcore.Literal) and ov in sink_tap
             }
-            consts = [{} for _ in inner.constvars]
-            del consts
             outs = _walk(inner, args[: len(inner.invars)], {**sink_tap, **inner_sinks})
         else:
             subs = jcore.jaxprs_in_params(eqn.params)

@@ -27,8 +27,9 @@ import numpy as np
 
 from lossscale_jax._tapping import active, substituted, tap_of_equation
 
-# Primitives whose body is inlined, and the parameter holding it.
-_INLINE = {
+# Primitives whose body is inlined, and the parameter holding it (the layer-map walk of
+# _segments follows the same calls).
+INLINE_CALLS = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
@@ -104,8 +105,8 @@ def _apply(eqn: Any, invals: list, low: np.dtype) -> list:
     if tap is not None:  # a tap stays a tap (on the widened value): diagnose reads it
         consts = params.get("num_consts", 0)
         return [tap(*invals[consts:])]
-    if name in _INLINE and _INLINE[name] in params:
-        body = params[_INLINE[name]]
+    if name in INLINE_CALLS and INLINE_CALLS[name] in params:
+        body = params[INLINE_CALLS[name]]
         if isinstance(body, jcore.ClosedJaxpr):
             return _eval(body.jaxpr, body.consts, invals, low)
         return _eval(body, [], invals, low)
