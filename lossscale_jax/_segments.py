@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
-import numpy as np
+import jax.numpy as jnp
 
 from lossscale_jax._tap_stats import TapStats
 from lossscale_jax._tapping import Recorder, recorder, tap_of_equation, validate_modules
@@ -125,9 +125,7 @@ def segments_of(
     n = len(names)
     segments = []
     for i, leaf in enumerate(leaves):
-        if not np.issubdtype(
-            np.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype, np.floating
-        ):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):  # no gradient
             segments.append(n)
             continue
         taps = out.get(i, frozenset())

@@ -421,3 +421,19 @@ def test_accumulation_folds_micro_batches_per_segment():
             for key in PARAMS:
                 want = -(np.sum([g[key] for g in good], axis=0, dtype=np.float32) * inv)
                 np.testing.assert_allclose(np.asarray(updates[key]), want, rtol=1e-6)
+
+
+def test_layer_map_of_bfloat16_and_python_float_parameters():
+    # Every floating leaf gets the segment of the first tap its gradient passes, whatever
+    # its floating dtype (bfloat16 is not a NumPy floating type) or container.
+    def loss(p, x):
+        h = lsj.tap(jnp.tanh(x @ p["w"].astype(jnp.float32)) * p["s"], "l0")
+        return jnp.sum(h @ p["head"])
+
+    params = {"w": jnp.ones((3, 3), jnp.bfloat16), "s": 2.0, "head": jnp.ones((3, 1))}
+    layers = lw.discover(loss, params, jnp.ones((2, 3)))
+    assert dict(zip(layers.paths, layers.segments, strict=True)) == {
+        "['head']": 1,
+        "['s']": 0,
+        "['w']": 0,
+    }
