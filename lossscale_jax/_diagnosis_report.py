@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lossscale_jax._localizer import TapDiagnosis
+from lossscale_jax._localizer import TapDiagnosis, pct
 from lossscale_jax._localizer import table as localizer_table
 
 # Histogram bins of floor(log2|g|): every finite nonzero float32 (2^-149 .. 2^127).
@@ -167,9 +167,9 @@ class Diagnosis:
                 "x".join(map(str, leaf.shape)) or "()",
                 f"{leaf.max_abs:.2e}",
                 f"{leaf.min_abs:.2e}",
-                _pct(leaf.underflow_unscaled),
-                _pct(leaf.underflow_at_scale),
-                _pct(leaf.overflow_at_scale),
+                pct(leaf.underflow_unscaled),
+                pct(leaf.underflow_at_scale),
+                pct(leaf.overflow_at_scale),
                 leaf.verdict,
             ]
             for leaf in self.leaves
@@ -191,9 +191,9 @@ class Diagnosis:
             line(["-" * w for w in widths]),
             *[line(r) for r in rows],
             "",
-            f"model: underflow {_pct(self.underflow[i1])} without scaling, "
-            f"floor {_pct(self.underflow_floor)}; at {at}: underflow "
-            f"{_pct(_at(self, self.underflow))}, overflow {_pct(_at(self, self.overflow))}",
+            f"model: underflow {pct(self.underflow[i1])} without scaling, "
+            f"floor {pct(self.underflow_floor)}; at {at}: underflow "
+            f"{pct(_at(self, self.underflow))}, overflow {pct(_at(self, self.overflow))}",
         ]
         if self.init_scale_range is not None:
             lo, hi = self.init_scale_range
@@ -247,14 +247,6 @@ class Diagnosis:
         from lossscale_jax import _plot
 
         return _plot.plot(self, path, max_leaves=max_leaves, log2_min=LOG2_MIN)
-
-
-def _pct(x: float) -> str:
-    if x == 0:
-        return "0"
-    if x < 1e-4:
-        return "<0.01%"
-    return f"{100 * x:.2f}%"
 
 
 def _fmt_scale(s: float | None) -> str:

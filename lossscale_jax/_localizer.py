@@ -131,8 +131,8 @@ def table(taps: tuple[TapDiagnosis, ...], recommended: str) -> list[str]:
             f"{t.forward_max_reference:.2e}",
             "OVERFLOWS" if t.forward_overflows else "",
             f"{t.backward_max:.2e}",
-            _pct(t.underflow_unscaled),
-            "-" if np.isnan(t.underflow_at_recommended) else _pct(t.underflow_at_recommended),
+            pct(t.underflow_unscaled),
+            "-" if np.isnan(t.underflow_at_recommended) else pct(t.underflow_at_recommended),
         ]
         for t in taps
     ]
@@ -153,7 +153,8 @@ def table(taps: tuple[TapDiagnosis, ...], recommended: str) -> list[str]:
     ]
 
 
-def _pct(x: float) -> str:
+def pct(x: float) -> str:
+    """A fraction as the diagnosis tables write it: "0", "<0.01%" or "12.34%"."""
     if x == 0:
         return "0"
     if x < 1e-4:
@@ -188,6 +189,6 @@ def verdict(
     if cold is not None:
         base += (
             f"; the backward gradients start to underflow at {cold.name} "
-            f"({_pct(cold.underflow_unscaled)} of its entries below 2^-14 without scaling)"
+            f"({pct(cold.underflow_unscaled)} of its entries below 2^-14 without scaling)"
         )
     return base
