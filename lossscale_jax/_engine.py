@@ -245,11 +245,15 @@ class Engine:
         for i, flag in enumerate(flags_list):
             s = layers.segments[i]
             over[s] = jnp.logical_or(over[s], flag)
-        peaks, bad = taps.max_abs(), taps.nonfinite()
-        for name, dtype in zip(taps.names, taps.dtypes, strict=True):
-            j = layers.names.index(name) if name in layers.names else n - 1
-            own = scales[j + 1] * f32(jnp.finfo(jnp.dtype(dtype)).max)
-            u = peaks[name] / own
+        # a layer tap is measured at the scale of the segment after it; any other tap
+        # (the loss's) at the loss's
+        after = {
+            name: layers.names.index(name) + 1 if name in layers.names else n for name in taps.names
+        }
+        ranges = taps.range_fractions({name: scales[k] for name, k in after.items()})
+        bad = taps.nonfinite()
+        for name, u in ranges.items():
+            j = after[name] - 1
             for s in {j, j + 1} if name in layers.names else {n}:
                 amax[s] = jnp.maximum(amax[s], u)
             over[j + 1] = jnp.logical_or(over[j + 1], bad[name] > 0)

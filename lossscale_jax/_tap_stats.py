@@ -28,7 +28,7 @@ buckets: an upper bound of the true maximum within a factor of 2, always at or a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -211,11 +211,19 @@ class TapStats:
         fraction of each tapped dtype's range the cotangents would fill at scale 1
         (the quantity ``HeadroomScale`` keeps room for). 0 with no tap."""
         out = jnp.zeros(jnp.shape(scale), F32)
-        peaks = self.max_abs()
-        scale = jnp.asarray(scale, F32)
-        for n, d in zip(self.names, self.dtypes, strict=True):
-            out = jnp.maximum(out, peaks[n] / (scale * F32(_limit(d))))
+        for u in self.range_fractions({n: scale for n in self.names}).values():
+            out = jnp.maximum(out, u)
         return out
+
+    def range_fractions(self, scales: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Per tap, ``max_abs / (scales[name] * finfo(dtype).max)`` in float32: the
+        fraction of its dtype's range its cotangent would fill at scale 1, each tap
+        measured at a scale of its own (per-layer scaling)."""
+        peaks = self.max_abs()
+        return {
+            n: peaks[n] / (jnp.asarray(scales[n], F32) * F32(_limit(d)))
+            for n, d in zip(self.names, self.dtypes, strict=True)
+        }
 
     def summary(self) -> dict[str, dict[str, jax.Array]]:
         """Per tap: ``max_abs``, ``nonfinite``, ``underflow_fraction``, ``uses``
