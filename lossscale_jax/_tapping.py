@@ -122,16 +122,15 @@ def tap_of_equation(params: dict) -> Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def tap_array(x: Any, name: str) -> Any:
-    """One array through the active recorder (identity without one)."""
+    """One floating array through the active recorder (identity without one).
+
+    Its callers hand it floating values only: ``tap_tree`` picks the floating leaves,
+    ``lsj.tap`` refuses a non-floating array and ``scale_loss`` a non-floating loss.
+    """
     rec = _ACTIVE.get()
     if rec is None:
         return x
     x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(
-            f"lsj.tap({name!r}): only a floating array has a gradient to measure, got dtype "
-            f"{x.dtype}."
-        )
     unique = rec.claim(name)
     axes = varying_axes(jax.typeof(x)) or frozenset()
     if rec.sinks is None:
