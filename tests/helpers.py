@@ -62,6 +62,45 @@ def assert_trees_equal(a: Any, b: Any, what: str = "") -> None:
         np.testing.assert_array_equal(x, y, err_msg=where)
 
 
+F16_UNIT_ROUNDOFF = 2.0**-11
+"""float16 keeps 11 significant bits: one rounding errs by at most 2**-11 of the value."""
+
+
+def assert_within_roundings(
+    got: Any, want: Any, magnitude: Any, roundings: int, what: str = ""
+) -> None:
+    """``|got - want| <= roundings * 2**-11 * magnitude``, leaf by leaf, element by element.
+
+    For two float16 programs that compute the same value by different compiled code: XLA may
+    keep an intermediate in float32 in one program and round it to float16 in the other
+    (fusion decides; XLA:CPU with AVX-512 FP16 and XLA:GPU do). A sum of products differs
+    then by at most one unit roundoff per rounding on each term's path, times the sum of
+    the terms' magnitudes (the first-order bound of Higham, *Accuracy and Stability of
+    Numerical Algorithms*, 3.1). ``magnitude`` is that sum (``|x|.T @ |d|`` for ``x.T @ d``),
+    computed by the caller in float64 from the operands.
+    """
+    la, ta = jax.tree_util.tree_flatten_with_path(got)
+    lb, tb = jax.tree_util.tree_flatten(want)
+    lm, tm = jax.tree_util.tree_flatten(magnitude)
+    assert ta == tb == tm, f"{what}: tree structures differ: {ta} vs {tb} vs {tm}"
+    for (path, x), y, m in zip(la, lb, lm, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), (what, path, x.dtype, y.dtype)
+        where = f"{what}: leaf {jax.tree_util.keystr(path)}"
+        finite = np.isfinite(y)  # inf and nan where the other has them, and the same ones
+        np.testing.assert_array_equal(np.isfinite(x), finite, err_msg=where)
+        np.testing.assert_array_equal(x[~finite], y[~finite], err_msg=where)
+        bound = roundings * F16_UNIT_ROUNDOFF * np.abs(np.asarray(m, np.float64))
+        bound = np.where(finite, bound, 0.0)
+        err = np.abs(np.where(finite, x, 0).astype(np.float64) - np.where(finite, y, 0))
+        worst = int(np.argmax(err - bound))
+        assert np.all(err <= bound), (
+            f"{where} differs by more than {roundings} "
+            f"float16 roundings: {x.ravel()[worst]!r} vs {y.ravel()[worst]!r} "
+            f"(bound {bound.ravel()[worst]:.3g})"
+        )
+
+
 def all_finite(tree: Any) -> bool:
     """Whether every element of every floating-point leaf is finite (other leaves pass)."""
     return all(

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import load_script  # tests/ is on sys.path under pytest
+from helpers import F16_UNIT_ROUNDOFF, load_script  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -406,9 +406,16 @@ def test_example_end_to_end(example, capsys):
     assert np.all(np.diff(missed["scale"]) >= 0) and missed["scale"][0] == example.INIT_SCALE
     # ... and training lags far behind (measured: about 4x the reference loss at 30 steps).
     assert missed["loss"][-1] > 2.0 * ref["loss"][-1]
-    # Saturating device, saturating/both check: the reference, step for step.
+    # Saturating device, saturating/both check: the reference's decisions, step for step.
     for label in ("saturating, saturating", "saturating, both"):
         run = results[label]
         np.testing.assert_array_equal(run["skipped"], ref["skipped"])
         np.testing.assert_array_equal(run["scale"], ref["scale"])
-        np.testing.assert_allclose(run["loss"], ref["loss"], rtol=1e-5)
+        # The losses agree to float16 rounding, not bit for bit: the saturating emulation
+        # compiles the float16 backward into another program, which may keep an intermediate
+        # in float32 where the reference rounds it (XLA:CPU with AVX-512 FP16 does; measured
+        # there up to 6e-4 relative after 30 steps). Each good step's gradient entries then
+        # differ by a few float16 roundings (2**-11 relative each); the parameters, and the
+        # held-out loss with them, drift by as much again per step. 16 roundings (7.8e-3) is
+        # that, and still far from the 2x the missed-overflow run is off above.
+        np.testing.assert_allclose(run["loss"], ref["loss"], rtol=16 * F16_UNIT_ROUNDOFF)

@@ -17,13 +17,21 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
-from helpers import assert_bits_equal
+from helpers import F16_UNIT_ROUNDOFF, assert_bits_equal, assert_within_roundings
 from jax.sharding import Mesh, PartitionSpec
 
 import lossscale_jax as lsj
 from lossscale_jax import _tap_stats as layout
 
 F16_TINY = 2.0**-14
+# Two float16 programs that compute the same values (with and without taps, with and without
+# remat, the reference's) may place their roundings apart: XLA may keep an intermediate in
+# float32 in one and round it to float16 in the other. The roundings on the path to one term of
+# a gradient entry: w1's term x * ct_h * (1 - h**2) has ct_h2 (1), ct_h from a 3-term product
+# (3 + 1), h from a 6-term product and tanh (6 + 1 + 1), h**2 and 1 - h**2 (2), the product
+# with ct_h (1) and the 5-term sum over the batch (5 + 1): 22; w2's term h * ct_h2 has fewer.
+GRAD_ROUNDINGS = 24
+
 ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(")
 
 
@@ -47,11 +55,22 @@ def ref_stats(ct) -> dict[str, float]:
 
 
 def check_against(taps: lsj.TapStats, name: str, ct, index=()) -> None:
+    """The tap's statistics against those of ``ct``, a float16 cotangent another program
+    computed: equal up to float16 rounding placed differently by the compiler (see
+    GRAD_ROUNDINGS): the largest entry within that many roundings, and the count below
+    2**-14 off by at most the entries that close to it."""
     want = ref_stats(ct)
     got = {k: float(np.asarray(v)[index]) for k, v in taps.summary()[name].items()}
     assert got["uses"] == 1.0
-    for k, v in want.items():
-        np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=f"{name} {k}")
+    assert got["nonfinite"] == want["nonfinite"], name
+    rel = GRAD_ROUNDINGS * F16_UNIT_ROUNDOFF
+    np.testing.assert_allclose(got["max_abs"], want["max_abs"], rtol=rel, err_msg=name)
+    a = np.abs(np.asarray(ct, np.float64))
+    nz = np.isfinite(a) & (a > 0)
+    near = np.sum(nz & (np.abs(a - F16_TINY) <= rel * F16_TINY))
+    assert abs(got["underflow_fraction"] - want["underflow_fraction"]) * max(nz.sum(), 1) <= (
+        near + 1e-6
+    ), name
 
 
 # A plain-JAX model in float16 with three boundaries, written twice: tapped, and split at
@@ -85,6 +104,15 @@ def reference_cotangents(p, batch, scale):
     return {"h": ct_h, "h2": ct_h2}
 
 
+def gradient_magnitudes(p, batch, ref):
+    """Per gradient entry, the sum of its terms' magnitudes in float64 (|x|.T @ |d|)."""
+    x = np.abs(np.asarray(batch[0], np.float64))
+    h = np.tanh(np.asarray(batch[0], np.float64) @ np.asarray(p["w1"], np.float64))
+    ct_h, ct_h2 = (np.abs(np.asarray(ref[k], np.float64)) for k in ("h", "h2"))
+    with np.errstate(invalid="ignore"):  # inf cotangents at 2**30: compared as inf
+        return {"w1": x.T @ (ct_h * (1 - h**2)), "w2": np.abs(h).T @ ct_h2}
+
+
 def make_params(key=0, big=1.0):
     k1, k2 = jax.random.split(jax.random.PRNGKey(key))
     return {
@@ -111,7 +139,11 @@ def test_stats_match_the_float32_reference(scale):
     for name in taps.names:
         check_against(taps, name, ref[name])
     want = jax.grad(tapped_loss)(p, batch, scale)  # no recording: taps are the identity
-    assert_bits_equal(grads, want, "the gradients")
+    # The taps pass the cotangents on unchanged, but the two float16 programs are compiled
+    # apart: XLA may round an intermediate to float16 in one and not the other.
+    assert_within_roundings(
+        grads, want, gradient_magnitudes(p, batch, ref), GRAD_ROUNDINGS, "the gradients"
+    )
     if scale == 2.0**30:
         assert bool(taps.overflow())
 
@@ -169,8 +201,19 @@ def test_scan_and_remat():
     remat = jax.checkpoint(lambda p, b: tapped_loss(p, b, 2.0**10))
     _, g1, t1 = lsj.taps.value_and_grad(remat)(p, batch)
     _, g2, t2 = lsj.taps.value_and_grad(lambda p, b: tapped_loss(p, b, 2.0**10))(p, batch)
-    assert_bits_equal(t1.values, t2.values, "remat")
-    assert_bits_equal(g1, g2, "remat grads")
+    # Remat recomputes the same float16 forward in another program: the same rounding
+    # bound as with and without taps, for the gradients and for the largest cotangents.
+    ref = reference_cotangents(p, batch, 2.0**10)
+    assert_within_roundings(
+        g1, g2, gradient_magnitudes(p, batch, ref), GRAD_ROUNDINGS, "remat grads"
+    )
+    for name in t2.names:
+        got, want = t1.summary()[name], t2.summary()[name]
+        assert_within_roundings(
+            got["max_abs"], want["max_abs"], want["max_abs"], GRAD_ROUNDINGS, "remat"
+        )
+        for k in ("uses", "nonfinite", "underflow_fraction"):
+            assert float(got[k]) == float(want[k]), (name, k)
 
 
 def test_pmap_and_shard_map_per_device():
