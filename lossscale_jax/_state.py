@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from lossscale_jax._division import divide_by_count
+
 F32_MAX = float(np.finfo(np.float32).max)
 I32_MAX = int(np.iinfo(np.int32).max)
 
@@ -150,8 +152,11 @@ def recent_rate(
     in the first steps, no dependence on an initial value).
     """
     f32 = jnp.float32
-    mean = overflow_steps.astype(f32) / jnp.maximum(total_steps, 1).astype(f32)
-    ema = rate.astype(f32) + (overflow.astype(f32) - rate.astype(f32)) / f32(RECENT_STEPS)
+    # Each division rounded once, as IEEE (and the reference model) says, on every backend.
+    counted = jnp.clip(total_steps, 1, RECENT_STEPS)  # the mean is read up to RECENT_STEPS
+    mean = divide_by_count(overflow_steps.astype(f32), counted)
+    rate = rate.astype(f32)
+    ema = rate + divide_by_count(overflow.astype(f32) - rate, jnp.int32(RECENT_STEPS))
     return jnp.where(total_steps <= RECENT_STEPS, mean, ema)
 
 

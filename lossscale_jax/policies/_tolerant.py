@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from lossscale_jax import _hyper
+from lossscale_jax._division import MAX_COUNT, divide_by_count
 from lossscale_jax._state import (
     LossScaleState,
     clamp,
@@ -115,7 +116,10 @@ class TolerantDynamicScale(LossScalePolicy):
 
         steps = safe_increment(state.growth_count)
         overflows = increment_if(overflow, state.hysteresis_count)
-        ratio = overflows.astype(f32) / steps.astype(f32)
+        # Rounded once on every backend while the window fits divide_by_count (growth
+        # intervals up to 4095 steps); a longer window takes the backend's quotient.
+        exact = divide_by_count(overflows.astype(f32), jnp.clip(steps, 1, MAX_COUNT))
+        ratio = jnp.where(steps <= MAX_COUNT, exact, overflows.astype(f32) / steps.astype(f32))
         backoff = ratio > jnp.asarray(self.overflow_tolerance, f32)
         scale_b = jnp.where(backoff, scale * jnp.asarray(self.backoff_factor, f32), scale)
         steps = jnp.where(backoff, zero, steps)
