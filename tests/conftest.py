@@ -9,11 +9,17 @@ import os
 import shutil
 import tempfile
 
+# The CPU suite by default (make test). make test-gpu sets JAX_PLATFORMS=cuda,cpu: the
+# accelerator is JAX's default backend, the CPU platform stays beside it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# float32 references are float32: a GPU's default matmul precision is TF32 (10 bits), which
+# put the taps' references 5e-5 off there. No effect on CPU.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 # One XLA compilation cache for the processes of a run (the xdist workers inherit the
 # folder the first process makes): a program compiled again, by another module or on the
@@ -25,6 +31,20 @@ _CACHE = os.environ["LSJ_TEST_COMPILATION_CACHE"]
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.multidevice(n)``: skipped, with the reason, where JAX's default backend
+    has fewer than ``n`` devices (a one-GPU machine); the CPU suite has 8 (above)."""
+    marker = item.get_closest_marker("multidevice")
+    if marker is not None:
+        need = marker.args[0] if marker.args else 8
+        have = jax.device_count()
+        if have < need:
+            pytest.skip(
+                f"needs {need} devices of the default backend ({jax.default_backend()}), "
+                f"this run has {have}; make test runs it on 8 CPU devices"
+            )
 
 
 def pytest_unconfigure(config):

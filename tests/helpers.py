@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import pathlib
+import re
 import sys
 from types import ModuleType
 from typing import Any
@@ -99,6 +100,23 @@ def assert_within_roundings(
             f"float16 roundings: {x.ravel()[worst]!r} vs {y.ravel()[worst]!r} "
             f"(bound {bound.ravel()[worst]:.3g})"
         )
+
+
+# What a compiled step would need to stop for the host: a Python callback (jax.debug.print,
+# pure_callback, io_callback, a host-side check), an outfeed or a host send/receive.
+HOST_OPS = re.compile(r"custom_call_target=\"[^\"]*callback[^\"]*\"|\b(outfeed|infeed|send|recv)\(")
+
+
+def assert_no_host_round_trip(jitted: Any, *args: Any) -> None:
+    """The optimized program of ``jitted(*args)`` contains nothing that waits for the host.
+
+    The backend-independent half of a "no host sync" test: ``jax.transfer_guard("disallow")``
+    fails a device-to-host read on a GPU but not on a CPU, whose arrays are already host
+    memory; this check reads the compiled program and fails on any backend.
+    """
+    text = jitted.lower(*args).compile().as_text()
+    found = sorted({m.group(0) for m in HOST_OPS.finditer(text)})
+    assert not found, f"the compiled step waits for the host: {found}"
 
 
 def all_finite(tree: Any) -> bool:

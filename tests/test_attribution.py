@@ -138,6 +138,7 @@ def test_record_without_attribution_and_errors():
     assert bool(lsj.metrics(state)["overflow"]) and lsj.overflowed_leaves(state, params) == []
 
 
+@pytest.mark.multidevice
 @pytest.mark.slow
 @pytest.mark.parametrize("attribution", ["reduced", "local"])
 def test_pmap_fault_on_one_device(attribution):

@@ -72,6 +72,7 @@ def _runs(example):
     return run(flax_dynamic_scale), run(compat.flax)
 
 
+@pytest.mark.multidevice
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["imagenet", "wmt"])
 def test_flax_example_bit_identical_with_the_import_changed(example):
@@ -81,6 +82,7 @@ def test_flax_example_bit_identical_with_the_import_changed(example):
         assert_bits_equal(a, b, f"{example} step {i}")
 
 
+@pytest.mark.multidevice
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["imagenet", "wmt"])
 def test_flax_example_skips_the_injected_overflows(example):

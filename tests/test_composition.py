@@ -727,6 +727,7 @@ NESTINGS_DP = {
 NESTINGS |= NESTINGS_DP
 
 
+@pytest.mark.multidevice
 @pytest.mark.slow
 @settings(max_examples=12)
 @given(

@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal  # tests/ is on sys.path under pytest
+from helpers import (  # tests/ is on sys.path under pytest
+    assert_no_host_round_trip,
+    assert_trees_equal,
+)
 
 import lossscale_jax as lsj
 
@@ -173,6 +176,19 @@ def test_one_trace_no_host_sync_across_scale_changes():
             scales.append(lsj.get_loss_scale_state(state).scale)
     assert len(traces) == 1
     assert len({float(s) for s in scales}) > 1  # the scale did change
+    assert_no_host_round_trip(step, params, state, bad)  # what the guard cannot see on CPU
+
+
+def test_the_host_round_trip_check_fires():
+    # A step that prints from inside (a host callback) is what assert_no_host_round_trip
+    # catches on every backend.
+    @jax.jit
+    def step(x):
+        jax.debug.print("{}", x)
+        return x + 1
+
+    with pytest.raises(AssertionError, match="waits for the host"):
+        assert_no_host_round_trip(step, jnp.float32(1))
 
 
 def test_new_static_value_or_restored_state_does_not_recompile():

@@ -33,7 +33,7 @@ import lossscale_jax as lsj
 
 # Slow (make test-fast leaves it out): pmap, shard_map and sharded jit on 8 devices, and 2
 # processes.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multidevice]
 
 N = 8
 AXIS = "batch"

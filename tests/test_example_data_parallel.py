@@ -16,7 +16,7 @@ from helpers import ROOT  # tests/ is on sys.path under pytest
 import lossscale_jax as lsj
 
 # Slow (make test-fast leaves it out): the example run as a process on 8 devices.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multidevice]
 
 SCRIPT = ROOT / "examples" / "data_parallel.py"
 ROW = re.compile(r"^\s*(\d+)\s+(device \d+|-)\s+([\d. ]+)\|([\d ]+)$")

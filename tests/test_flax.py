@@ -136,7 +136,13 @@ def test_matches_flax_train_state_on_good_steps():
 
 @pytest.mark.slow
 def test_fused_and_optax_paths_are_bit_identical():
-    """A bare loss_scaling takes the fused step; wrapped in optax.chain, the Optax path."""
+    """A bare loss_scaling takes the fused step; wrapped in optax.chain, the Optax path.
+
+    Bit for bit on XLA:CPU (the fused step adds the same rounded update the Optax path
+    materialises). Each whole step is compiled on its own, the float16 backward included, and
+    another backend may round there differently (XLA:GPU was measured 1 float32 ulp apart on
+    one entry): elsewhere the paths agree to 2 float32 ulps.
+    """
     step, traces = make_step()
     fused = make_state()
     optax_path = fused.replace(tx=optax.chain(fused.tx), opt_state=(fused.opt_state,))
@@ -147,8 +153,21 @@ def test_fused_and_optax_paths_are_bit_identical():
     for i in range(5):
         x, y = batch(20 + i, poison=i == 2)
         fused, optax_path = step(fused, x, y), step(optax_path, x, y)
-        assert_trees_equal(fused.params, optax_path.params)
-        assert_trees_equal(fused.batch_stats, optax_path.batch_stats)
+        if jax.default_backend() == "cpu":
+            assert_trees_equal(fused.params, optax_path.params)
+            assert_trees_equal(fused.batch_stats, optax_path.batch_stats)
+        else:
+            for a, b in [
+                (fused.params, optax_path.params),
+                (fused.batch_stats, optax_path.batch_stats),
+            ]:
+                jax.tree_util.tree_map(
+                    lambda a, b: np.testing.assert_array_max_ulp(
+                        np.asarray(a), np.asarray(b), maxulp=2
+                    ),
+                    a,
+                    b,
+                )
         assert int(fused.step) == int(optax_path.step)
     assert int(fused.step) == 4
     assert len(traces) == 2  # one per optimizer structure
@@ -278,10 +297,19 @@ def test_nnx_optimizer_skips_and_rolls_back():
         x, y = batch(i)
         g = nnx.grad(lambda m: jnp.mean((m(x).astype(F32) - y) ** 2))(ref_model)  # noqa: B023
         ref_opt.update(ref_model, g)
-    jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-5),
-        nnx.as_pure(nnx.state(model)),
-        nnx.as_pure(nnx.state(ref_model)),
+
+    def close(path, a, b):
+        if jax.tree_util.keystr(path) == "['dense']['bias']":
+            # It feeds the BatchNorm, which takes the batch mean out: its true gradient is 0
+            # and the computed one rounding noise, which Adam turns into steps of up to lr
+            # either way (XLA:GPU's noise differs from the reference's). Two good steps: each
+            # run is within 2 lr of the start, so the two within 4 lr of each other.
+            np.testing.assert_array_less(np.abs(np.asarray(a) - np.asarray(b)), 4 * 1e-2 + 1e-6)
+        else:
+            np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-5)
+
+    jax.tree_util.tree_map_with_path(
+        close, nnx.as_pure(nnx.state(model)), nnx.as_pure(nnx.state(ref_model))
     )
 
 

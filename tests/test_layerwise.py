@@ -230,6 +230,7 @@ def test_optax_path_fused_and_train_state_agree_bit_for_bit():
     assert_bits_equal(restored, fused_state, "checkpoint")
 
 
+@pytest.mark.multidevice
 def test_per_device_under_pmap_one_decision_one_all_reduce():
     n_dev = 4
     tx = lw.layerwise_scaling(optax.sgd(0.1), LAYERS, POLICY, axis_name="b")

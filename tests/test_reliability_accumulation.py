@@ -214,6 +214,7 @@ def test_dtypes_and_non_float_leaves():
     assert np.asarray(updates["i"]).tolist() == [7, 7]  # passed through, not checked
 
 
+@pytest.mark.multidevice
 @pytest.mark.slow
 def test_axis_name_every_device_skips_the_window():
     n = 4

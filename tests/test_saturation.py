@@ -245,6 +245,7 @@ def test_weak_typed_loop_carry_keeps_its_type():
     assert_same(jax.jit(f)(jnp.int32(3)), np.float32(np.finfo(np.float32).max))
 
 
+@pytest.mark.multidevice
 def test_inside_shard_map_body():
     from jax.sharding import PartitionSpec as P
 

@@ -98,6 +98,7 @@ def test_multi_optimizer_on_stuck_error_reports_through_checkify():
     assert err.get() is not None and "stuck" in err.get()
 
 
+@pytest.mark.multidevice
 def test_multi_optimizer_refuses_pmap_without_its_axis():
     n = 2
     params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
@@ -113,6 +114,7 @@ def test_multi_optimizer_refuses_pmap_without_its_axis():
     assert isinstance(info.value, lsj.errors.AxisError)
 
 
+@pytest.mark.multidevice
 @pytest.mark.slow
 def test_multi_optimizer_takes_one_decision_per_label_on_every_device():
     """Under pmap with axis_name, an overflow on one device skips that label everywhere."""
@@ -137,6 +139,7 @@ def test_multi_optimizer_takes_one_decision_per_label_on_every_device():
 # ------------------------------------------------------------------ 3. pmap-replicated state
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize(
     "policy,scale",
     [(lsj.StaticScale(8.0), 8.0), (lsj.NoScale(), 1.0), (lsj.DynamicScale(), 2.0**15)],
@@ -149,6 +152,7 @@ def test_switch_policy_on_a_replicated_state(policy, scale):
     assert moved.loss_scale.scale.dtype == jnp.float32
 
 
+@pytest.mark.multidevice
 def test_checkpoint_policy_check_on_a_replicated_state():
     params = {"w": jnp.zeros(2)}
     tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=8.0))
@@ -166,6 +170,7 @@ def test_checkpoint_policy_check_on_a_replicated_state():
     assert isinstance(info.value, lsj.errors.CheckpointPolicyError)
 
 
+@pytest.mark.multidevice
 def test_orbax_policy_check_on_a_replicated_state(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params = {"w": jnp.zeros(2)}
@@ -223,6 +228,7 @@ def test_an_earlier_accumulation_checkpoint_names_what_each_missing_field_is():
 # ------------------------------------------------------------------ 5. messages
 
 
+@pytest.mark.multidevice
 def test_pmap_without_an_axis_name_says_to_name_it():
     params = {"w": jnp.zeros(2)}
     tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(), axis_name="batch")

@@ -216,6 +216,7 @@ def test_scan_and_remat():
             assert float(got[k]) == float(want[k]), (name, k)
 
 
+@pytest.mark.multidevice
 def test_pmap_and_shard_map_per_device():
     n = 4
     p = make_params()
@@ -400,6 +401,7 @@ def test_headroom_target_from_the_loss_tap_matches_the_rule():
     assert ref.scale == 2.0**14  # the loss's cotangent caps it: room 2**15, one octave margin
 
 
+@pytest.mark.multidevice
 def test_reduced_in_the_flag_collective_under_pmap():
     params = {"w": jnp.ones((3,), jnp.float32)}
     tx = lsj.loss_scaling(optax.sgd(0.1), lsj.HeadroomScale(), axis_name="b")

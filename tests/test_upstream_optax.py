@@ -95,6 +95,7 @@ def test_apply_if_finite(opt_builder):
     assert int(lsj.metrics(state)["overflow_steps"]) == 5  # total_notfinite
 
 
+@pytest.mark.multidevice
 def test_apply_if_finite_pmap():
     # Upstream: ConditionalityTest.test_apply_if_finite_pmap: pmap over the gradient computation
     # and the update; the nan comes from arctanh(2) inside the function.
