@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-stamp
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: demo test test-fast lint typecheck clean docs docs-outputs doctest dist
+.PHONY: demo test test-fast test-gpu lint typecheck clean docs docs-outputs doctest dist
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,16 @@ test: $(STAMP)
 # under 90 seconds on 2 cores. make test before pushing.
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
+
+# The whole suite on JAX's default accelerator, in the environment's own Python (no .venv:
+# the machine's JAX has CUDA; pip install -e . --no-deps, jmp==0.0.4 and the test extras
+# first). The CPU platform stays beside the GPU; tests that need 8 devices skip with the
+# reason on a one-GPU machine, those that read XLA:CPU's HLO say so. -p no:benchmark: an
+# installed pytest-benchmark warns under xdist, and warnings are errors here. Never in CI.
+GPU_TEST_WORKERS ?= 8
+test-gpu:
+	JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -q \
+		-p no:benchmark -n $(GPU_TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check lossscale_jax tests examples benchmarks experiments docs/conf.py docs/_ext docs/_inventories

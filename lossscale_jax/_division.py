@@ -47,9 +47,7 @@ def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
     down = jnp.float32(-np.inf)
     q_up = jnp.nextafter(q, up)
     q_down = jnp.nextafter(q, down)
-    candidates = jnp.stack(
-        [jnp.nextafter(q_down, down), q_down, q, q_up, jnp.nextafter(q_up, up)]
-    )
+    candidates = jnp.stack([jnp.nextafter(q_down, down), q_down, q, q_up, jnp.nextafter(q_up, up)])
     err = jnp.abs(_remainder(a, candidates, n))
     even = (jax.lax.bitcast_convert_type(candidates, jnp.uint32) & 1) == 0
     at_min = err == jnp.min(err, axis=0)

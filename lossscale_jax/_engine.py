@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale_jax import _check, _devices, stuck
+from lossscale_jax import _check, _devices, _skip, stuck
 from lossscale_jax._state import LossScaleState
 from lossscale_jax._tap_stats import WIDTH, TapStats
 from lossscale_jax._unscale import scale_is_bad, unscale_tree
@@ -308,12 +308,13 @@ class Engine:
 
     @staticmethod
     def select(apply: jax.Array, good: Callable, skip: Callable, *operands: Any) -> Any:
-        """``good(*operands)`` if ``apply`` else ``skip(*operands)``: one ``lax.cond``.
+        """``good(*operands)`` if ``apply`` else ``skip(*operands)``: one ``lax.cond``, or a
+        select per output leaf where the backend's formulation says so (``_skip``).
 
         Good branch first: XLA:CPU inserts fewer copies for this order. Under
         ``shard_map`` the branches' outputs are matched in what they vary over.
         """
-        return _devices.cond(apply, good, skip, *operands)
+        return _skip.choose(_devices.cond, apply, good, skip, *operands)
 
     @staticmethod
     def unscale(grads: Any, scale: jax.Array, params: Any = None) -> Any:

@@ -1,0 +1,97 @@
+"""How the engine's one decision becomes code: a conditional, or a select per leaf.
+
+Two formulations of ``good(*operands) if apply else skip(*operands)``:
+
+- ``"cond"``: one ``lax.cond``; the good branch runs only on a good step. On XLA:CPU, the
+  cheaper one (measured there: a ``jnp.where`` over every optimizer leaf cost a plain Adam
+  step 1.7x-5x and much compile time; the conditional 1.1x-1.3x).
+- ``"select"``: both branches computed, each output leaf chosen with ``jnp.where``. XLA:GPU
+  fuses such a select into the kernels that compute the leaf (the peers that skip this way
+  measured +0 to +8% over a plain step on an H200), where a conditional is a branch the
+  host-side runtime may have to resolve.
+
+Both give the same values on every step (the skip branch's outputs are constants or the
+operands as they were; the good branch's are selected whole), and the property test runs
+the engine's front-ends under each (``tests/test_engine_properties.py``). Which one a backend
+gets is :data:`BY_PLATFORM`; :func:`formulation` overrides it while a step is traced (the
+tests and the benchmark use it to measure one against the other). Where the table gives
+platforms different formulations, ``jax.lax.platform_dependent`` picks at lowering, so one
+traced step serves them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+FORMULATIONS = ("cond", "select")
+
+BY_PLATFORM: dict[str, str] = {"cpu": "cond", "cuda": "cond", "rocm": "cond", "tpu": "cond"}
+"""The formulation each platform gets. Every platform keeps ``"cond"`` until a measurement
+on it shows ``"select"`` faster (benchmarks/README.md says how to measure one against the
+other); a platform not listed gets ``"cond"``."""
+
+_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "lossscale_jax_skip_formulation", default=None
+)
+
+
+@contextlib.contextmanager
+def formulation(name: str) -> Iterator[None]:
+    """Steps traced inside use ``name`` (``"cond"`` or ``"select"``) on every backend."""
+    if name not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {name!r}.")
+    token = _OVERRIDE.set(name)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def current() -> str | None:
+    """The overriding formulation, or ``None`` (each platform's own)."""
+    return _OVERRIDE.get()
+
+
+def select_outputs(
+    cond: Callable[..., Any],
+    pred: jax.Array,
+    true_fun: Callable[..., Any],
+    false_fun: Callable[..., Any],
+    *operands: Any,
+) -> Any:
+    """Both branches, each output leaf picked by ``pred`` (``"select"``)."""
+    del cond
+    good = true_fun(*operands)
+    skip = false_fun(*operands)
+    return jax.tree_util.tree_map(lambda g, s: jnp.where(pred, g, s), good, skip)
+
+
+def choose(
+    cond: Callable[..., Any],
+    pred: jax.Array,
+    true_fun: Callable[..., Any],
+    false_fun: Callable[..., Any],
+    *operands: Any,
+) -> Any:
+    """``true_fun(*operands) if pred else false_fun(*operands)``, in the formulation the
+    override or the platform gives; ``cond`` is the conditional to use for ``"cond"``."""
+    impls = {"cond": cond, "select": lambda *a: select_outputs(cond, *a)}
+    forced = current()
+    if forced is not None:
+        return impls[forced](pred, true_fun, false_fun, *operands)
+    wanted = set(BY_PLATFORM.values())
+    if len(wanted) == 1:
+        return impls[wanted.pop()](pred, true_fun, false_fun, *operands)
+    per_platform = {
+        platform: (lambda *a, f=impls[name]: f(pred, true_fun, false_fun, *a))
+        for platform, name in BY_PLATFORM.items()
+    }
+    return jax.lax.platform_dependent(
+        *operands, default=lambda *a: cond(pred, true_fun, false_fun, *a), **per_platform
+    )
