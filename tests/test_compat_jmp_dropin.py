@@ -141,6 +141,33 @@ def test_static_and_no_op_loss_scales_match_jmp():
         our_jmp.select_tree(jnp.ones(2, bool), tree, tree)
 
 
+def _jaxpr(f, *args):
+    return str(jax.make_jaxpr(f)(*args))
+
+
+def test_select_tree_is_jmps_per_leaf_select():
+    a = {"f": jnp.ones(3), "h": jnp.ones(2, jnp.float16), "i": jnp.ones(2, jnp.int32)}
+    b = jax.tree_util.tree_map(jnp.zeros_like, a)
+    for pred in (jnp.array(True), jnp.array(False)):
+        assert_bits_equal(our_jmp.select_tree(pred, a, b), real_jmp.select_tree(pred, a, b))
+    # The same program: one select_n per leaf, no cond (a cond changes XLA's fusions).
+    pred = jnp.array(True)
+    assert _jaxpr(our_jmp.select_tree, pred, a, b) == _jaxpr(real_jmp.select_tree, pred, a, b)
+    assert "cond" not in _jaxpr(our_jmp.select_tree, pred, a, b)
+    assert our_jmp.select_tree(pred, None, None) is None
+    # Mismatched trees fail as in jmp: structure (ValueError), dtype and shape (TypeError).
+    for other, error in [
+        ({"f": b["f"], "h": b["h"]}, ValueError),
+        ({**b, "h": jnp.zeros(2, jnp.float32)}, TypeError),
+        ({**b, "f": jnp.zeros(2)}, TypeError),
+    ]:
+        with pytest.raises(error) as theirs:
+            real_jmp.select_tree(pred, a, other)
+        with pytest.raises(error) as ours:
+            our_jmp.select_tree(pred, a, other)
+        assert str(ours.value) == str(theirs.value)
+
+
 def test_dynamic_loss_scale_object_keeps_min_loss_scale_through_jit():
     # jmp's own flattening drops min_loss_scale (back to 1); here it is a static field.
     ls = our_jmp.DynamicLossScale(jnp.float32(8.0), min_loss_scale=4.0)

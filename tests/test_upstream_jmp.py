@@ -182,3 +182,20 @@ def test_all_finite(non_finite):
     assert not all_finite({"a": jnp.ones([]), "b": jnp.array(non_finite)})
     assert not all_finite({"a": jnp.array(non_finite), "b": jnp.ones([])})
     assert all_finite({"a": jnp.ones([]), "b": jnp.ones([])})
+
+
+def test_select_tree():
+    # Upstream: test_select_tree (compat.jmp.select_tree is jmp's, one select per leaf).
+    a = {"a": jnp.ones([]), "b": jnp.zeros([])}
+    b = {"a": jnp.zeros([]), "b": jnp.ones([])}
+    assert compat.jmp.select_tree(jnp.bool_(True), None, None) is None
+    assert compat.jmp.select_tree(jnp.bool_(False), None, None) is None
+    assert compat.jmp.select_tree(jnp.bool_(True), a, b) == a
+    assert compat.jmp.select_tree(jnp.bool_(False), a, b) == b
+
+
+def test_select_tree_rejects_non_scalar():
+    # Upstream: test_select_tree_rejects_non_scalar (jmp asserts: AssertionError "expected
+    # boolean scalar"). Documented deviation: a ValueError that names the argument.
+    with pytest.raises(ValueError, match="pred must be a boolean scalar"):
+        compat.jmp.select_tree(jnp.ones([1]), None, None)

@@ -326,12 +326,24 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: ArrayLike, a: T, b: T) -> T:
     """``a`` if ``pred`` else ``b``, for two trees of one structure (jmp's ``select_tree``).
 
-    One ``lax.cond`` rather than a select per leaf; the values are the same.
+    Rule::
+
+      jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)
+
+    jmp's own formulation, one select per leaf: the leaves of ``a`` and ``b``
+    must match in shape and dtype (``TypeError`` from ``lax.select`` otherwise),
+    the trees in structure (``ValueError`` from ``tree_map``). Not a ``lax.cond``,
+    which selects the same values but changes how XLA fuses the computation of
+    ``a`` (an Adam step), and with it the rounding of its last bit. For speed,
+    ``lsj.loss_scaling`` takes the skip as one decision chosen per backend.
+
+    Raises:
+      ValueError: if ``pred`` is not a boolean scalar (jmp asserts it).
     """
     pred = jnp.asarray(pred)
     if pred.ndim != 0 or pred.dtype != jnp.bool_:
         raise ValueError(f"pred must be a boolean scalar, got {pred.dtype}{list(pred.shape)}.")
-    return jax.lax.cond(pred, lambda: a, lambda: b)
+    return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)
 
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
