@@ -168,6 +168,40 @@ def test_select_tree_is_jmps_per_leaf_select():
         assert str(ours.value) == str(theirs.value)
 
 
+def test_static_and_no_op_loss_scales_are_empty_pytrees_as_in_jmp():
+    x = jnp.array([1.0, 3.0], jnp.float16)
+    for make in [
+        lambda m: m.StaticLossScale(jnp.float32(128.0)),
+        lambda m: m.StaticLossScale(2),
+        lambda m: m.NoOpLossScale(),
+    ]:
+        ours, theirs = make(our_jmp), make(real_jmp)
+        assert jax.tree_util.tree_leaves(ours) == [] == jax.tree_util.tree_leaves(theirs)
+        assert jax.tree_util.tree_map(lambda v: v, ours) is ours  # the object is the treedef
+
+        def step(ls, x):
+            return ls.unscale(ls.scale(x)), ls.adjust(jnp.array(True))
+
+        # Inside jit the scale is a constant of the program, the same program as jmp's.
+        assert _jaxpr(step, ours, x) == _jaxpr(step, theirs, x)
+        out, back = jax.jit(step)(ours, x)
+        assert_bits_equal(out, jax.jit(step)(theirs, x)[0])
+        assert back is ours
+    # A Python number is kept: it multiplies a float16 tree in float16, as in jmp.
+    assert our_jmp.StaticLossScale(2).scale(x).dtype == jnp.float16
+    # As in jmp, each value compiles anew (a constant of the program).
+    traces = []
+
+    @jax.jit
+    def scaled(ls, x):
+        traces.append(None)
+        return ls.scale(x)
+
+    for value in (128.0, 128.0, 256.0):
+        scaled(our_jmp.StaticLossScale(jnp.float32(value)), x)
+    assert len(traces) == 2
+
+
 def test_dynamic_loss_scale_object_keeps_min_loss_scale_through_jit():
     # jmp's own flattening drops min_loss_scale (back to 1); here it is a static field.
     ls = our_jmp.DynamicLossScale(jnp.float32(8.0), min_loss_scale=4.0)
