@@ -53,9 +53,12 @@ def test_static_loss_scale(cls, scale):
 
 def test_static_empty_trees():
     # Upstream: test_static_empty_trees (NoOpLossScale, StaticLossScale(0) have no pytree leaves).
-    # Documented deviation: a static scale lives in the state as a traced float32 (a new value
-    # does not recompile), so the state has leaves; and a scale of 0, which would zero every
-    # gradient, is rejected.
+    # The drop-in objects pass as written: as in jmp, the object is its treedef's static data.
+    for loss_scale in (compat.jmp.NoOpLossScale(), compat.jmp.StaticLossScale(0)):
+        assert jax.tree_util.tree_leaves(loss_scale) == []
+    # Documented deviation of the policies: a static scale lives in the policy's state as a
+    # traced float32 (a new value does not recompile), so the state has leaves; and a scale of
+    # 0, which would zero every gradient, is rejected.
     assert jax.tree_util.tree_leaves(compat.jmp.no_op_loss_scale_policy().init())
     assert jax.tree_util.tree_leaves(compat.jmp.static_loss_scale_policy(4).init())
     with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
@@ -182,3 +185,20 @@ def test_all_finite(non_finite):
     assert not all_finite({"a": jnp.ones([]), "b": jnp.array(non_finite)})
     assert not all_finite({"a": jnp.array(non_finite), "b": jnp.ones([])})
     assert all_finite({"a": jnp.ones([]), "b": jnp.ones([])})
+
+
+def test_select_tree():
+    # Upstream: test_select_tree (compat.jmp.select_tree is jmp's, one select per leaf).
+    a = {"a": jnp.ones([]), "b": jnp.zeros([])}
+    b = {"a": jnp.zeros([]), "b": jnp.ones([])}
+    assert compat.jmp.select_tree(jnp.bool_(True), None, None) is None
+    assert compat.jmp.select_tree(jnp.bool_(False), None, None) is None
+    assert compat.jmp.select_tree(jnp.bool_(True), a, b) == a
+    assert compat.jmp.select_tree(jnp.bool_(False), a, b) == b
+
+
+def test_select_tree_rejects_non_scalar():
+    # Upstream: test_select_tree_rejects_non_scalar (jmp asserts: AssertionError "expected
+    # boolean scalar"). Documented deviation: a ValueError that names the argument.
+    with pytest.raises(ValueError, match="pred must be a boolean scalar"):
+        compat.jmp.select_tree(jnp.ones([1]), None, None)

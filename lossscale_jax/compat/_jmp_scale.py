@@ -1,9 +1,11 @@
-"""jmp's loss-scale objects (``jmp/_src/loss_scale.py``), as pytrees stepped by the policies.
+"""jmp's loss-scale objects (``jmp/_src/loss_scale.py``): the dynamic one stepped by a policy.
 
 ``DynamicLossScale``, ``StaticLossScale`` and ``NoOpLossScale`` have jmp's fields and
 methods (``scale``, ``unscale``, ``adjust``, ``loss_scale``); ``all_finite`` and
 ``select_tree`` are jmp's functions. A jmp program runs with ``compat.jmp`` in place of
-``jmp``. ``DynamicLossScale.adjust`` is the policy of ``compat.jmp.dynamic_loss_scale_policy``
+``jmp``, compiling to jmp's program where the bits depend on it: ``select_tree`` is jmp's
+select per leaf, and the static and no-op scales are empty pytrees as in jmp.
+``DynamicLossScale.adjust`` is the policy of ``compat.jmp.dynamic_loss_scale_policy``
 (``loss_scale`` is its ``scale``, ``counter`` its ``growth_count``).
 """
 
@@ -171,6 +173,11 @@ def _flag(grads_finite: ArrayLike) -> jax.Array:
     return flag.astype(jnp.bool_)
 
 
+def _register_empty_pytree(cls: type) -> None:
+    """jmp's ``register_empty_pytree``: no leaves, the object itself the static data."""
+    jax.tree_util.register_pytree_node(cls, lambda x: ((), x), lambda x, _: x)
+
+
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
     """jmp's ``NoOpLossScale``: scale 1, ``scale``/``unscale`` return the tree itself."""
@@ -194,22 +201,33 @@ class NoOpLossScale:
         return self
 
 
-jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
+_register_empty_pytree(NoOpLossScale)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["loss_scale"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
     """jmp's ``StaticLossScale``: scales and unscales by a fixed ``loss_scale``.
 
-    Unlike jmp's (an empty pytree, so every value compiles anew), ``loss_scale`` is a
-    leaf: a float32 array when given as a number.
+    As in jmp, the object is an empty pytree (the object itself is its treedef's
+    static data): inside ``jit`` ``loss_scale`` is a compile-time constant, kept as
+    given (a Python number multiplies a float16 tree in float16), and a new value
+    compiles anew. That is what makes a jmp program bit-identical with this import:
+    XLA folds a constant into the arithmetic around it (``1 / loss_scale`` first), and
+    a traced scale gives another compiled program, which rounded Adam's state
+    differently in the last bit. ``compat.jmp.static_loss_scale_policy`` with
+    ``lsj.loss_scaling`` keeps the scale in the state instead (no recompiles).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from lossscale_jax.compat import jmp
+      >>> ls = jmp.StaticLossScale(jnp.float32(128.0))
+      >>> jax.tree_util.tree_leaves(ls)
+      []
+      >>> float(ls.unscale(ls.scale(jnp.float16(3.0))))
+      3.0
     """
 
     loss_scale: Any
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "loss_scale", _as(self.loss_scale, jnp.float32))
 
     def scale(self, tree: T) -> T:
         """Every leaf of ``tree`` times ``loss_scale``."""
@@ -224,6 +242,9 @@ class StaticLossScale:
         """This object: a static scale does not move."""
         del grads_finite
         return self
+
+
+_register_empty_pytree(StaticLossScale)
 
 
 @functools.partial(
@@ -326,12 +347,24 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: ArrayLike, a: T, b: T) -> T:
     """``a`` if ``pred`` else ``b``, for two trees of one structure (jmp's ``select_tree``).
 
-    One ``lax.cond`` rather than a select per leaf; the values are the same.
+    Rule::
+
+      jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)
+
+    jmp's own formulation, one select per leaf: the leaves of ``a`` and ``b``
+    must match in shape and dtype (``TypeError`` from ``lax.select`` otherwise),
+    the trees in structure (``ValueError`` from ``tree_map``). Not a ``lax.cond``,
+    which selects the same values but changes how XLA fuses the computation of
+    ``a`` (an Adam step), and with it the rounding of its last bit. For speed,
+    ``lsj.loss_scaling`` takes the skip as one decision chosen per backend.
+
+    Raises:
+      ValueError: if ``pred`` is not a boolean scalar (jmp asserts it).
     """
     pred = jnp.asarray(pred)
     if pred.ndim != 0 or pred.dtype != jnp.bool_:
         raise ValueError(f"pred must be a boolean scalar, got {pred.dtype}{list(pred.shape)}.")
-    return jax.lax.cond(pred, lambda: a, lambda: b)
+    return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)
 
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
