@@ -381,11 +381,15 @@ class EngineUpdate:
         *,
         fusable: bool = False,
         fused_step: Callable[..., tuple[Any, Any]] | None = None,
+        not_fusable_because: str | None = None,
     ) -> None:
         self._update = update
         self.engine = engine
         self.inner = inner
         self.fusable = fusable
+        # Why apply_gradients refuses this front-end, in its own words (None: the generic
+        # message, which names loss_scaling).
+        self.not_fusable_because = not_fusable_because
         # A front-end whose fused step is its own (apply_gradients calls it): per-layer scaling.
         self.fused_step = fused_step
 

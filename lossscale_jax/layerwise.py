@@ -386,7 +386,20 @@ def layerwise_scaling(
 
     fusable = every_k == 1  # with accumulation: the Optax path (tx.update), as multi-steps
     update = EngineUpdate(
-        update_fn, engine, inner, fusable=fusable, fused_step=fused_fn if fusable else None
+        update_fn,
+        engine,
+        inner,
+        fusable=fusable,
+        fused_step=fused_fn if fusable else None,
+        not_fusable_because=None
+        if fusable
+        else (
+            f"lossscale_jax.apply_gradients does not take layerwise_scaling(..., "
+            f"every_k={every_k}): with accumulation a call ends a window only every "
+            f"{every_k} micro-batches, so there is no fused step to run. Use the Optax path: "
+            "updates, opt_state = tx.update(grads, opt_state, params, taps=taps); params = "
+            "optax.apply_updates(params, updates) (TrainState.apply_gradients does this)."
+        ),
     )
     return optax.GradientTransformationExtraArgs(init_fn, update)  # pyright: ignore
 

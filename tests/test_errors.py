@@ -766,6 +766,12 @@ def _layerwise_without_taps():
     tx.update(params, tx.init(params), params)
 
 
+def _layerwise_accumulation_fused():
+    tx = lsj.layerwise_scaling(optax.sgd(0.1), _layer_map(), every_k=3)
+    params = _LAYER_ARGS[0]
+    lsj.apply_gradients(tx, params, tx.init(params), params)
+
+
 def _enter(context):
     with context:
         pass
@@ -773,6 +779,12 @@ def _enter(context):
 
 # Taps (lsj.tap, lsj.taps) used wrongly.
 CASES += [
+    (
+        "layerwise accumulation in the fused step",
+        _layerwise_accumulation_fused,
+        TypeError,
+        "apply_gradients does not take layerwise_scaling(..., every_k=3)",
+    ),
     (
         "tap empty name",
         lambda: lsj.tap(jnp.ones(2), ""),
