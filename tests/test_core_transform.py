@@ -418,3 +418,34 @@ def test_a_corrupted_scale_in_the_state_is_skipped_then_repaired():
         assert int(state.inner_state[0].count) == 0
         _, state, _ = step(p, state, grads_like(params, 2.0))
         assert not bool(state.loss_scale.last_skipped)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_integer_gradient_leaf_with_adam_as_optax_does(fused):
+    # optax.adam on an integer leaf: its moments start as int32 zeros and come back float32.
+    # A skipped step must give the state in the dtypes a good one would (a conditional needs
+    # both branches alike), with the values it had; a good step is optax.adam's.
+    params = {"w": jnp.ones(3), "step": jnp.int32(0)}
+    tx = lsj.loss_scaling(optax.adam(0.1), lsj.StaticScale(4.0))
+    ref_tx = optax.adam(0.1)
+
+    def run(grads, state):
+        if fused:
+            return jax.jit(lambda g, s: lsj.apply_gradients(tx, g, s, params))(grads, state)
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    skipped_params, skipped = run({"w": jnp.full(3, jnp.inf), "step": jnp.int32(0)}, state)
+    assert bool(skipped.loss_scale.last_skipped)
+    assert_trees_equal(skipped_params, params)
+    adam = skipped.inner_state[0]
+    assert adam.mu["step"].dtype == jnp.float32 and float(adam.mu["step"]) == 0.0
+    assert int(adam.count) == 0
+
+    new_params, good = run({"w": jnp.full(3, 4.0), "step": jnp.int32(0)}, state)
+    ref_updates, ref_state = ref_tx.update(
+        {"w": jnp.ones(3), "step": jnp.int32(0)}, ref_tx.init(params), params
+    )
+    assert_trees_equal(new_params, optax.apply_updates(params, ref_updates))
+    assert_trees_equal(good.inner_state, ref_state)
