@@ -47,6 +47,23 @@ _ADDED_OWNER_FIELDS = {
 }
 
 
+# Fields only one front-end's state has, and the front-end; otherwise loss_scaling's.
+_FRONT_END_FIELDS = (
+    ("layers", "layerwise_scaling"),
+    ("mini_step", "loss_scaling_multi_steps"),
+    ("acc_grads", "loss_scaling_multi_steps"),
+)
+
+
+def _front_end(table: dict[tuple[str, ...], Any], owner: tuple[str, ...]) -> str:
+    """The front-end whose state holds the loss-scale state under ``owner``."""
+    fields = {p[len(owner)] for p in table if len(p) > len(owner) and p[: len(owner)] == owner}
+    for field, name in _FRONT_END_FIELDS:
+        if field in fields:
+            return name
+    return "loss_scaling"
+
+
 def _key_name(key: Any) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
@@ -209,6 +226,20 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
             f"{', '.join(_fmt(p) for p in have_ls)!r} but the optimizer state has none: build "
             "the optimizer with lossscale_jax.loss_scaling(...) as when the checkpoint was saved."
         )
+    for prefix in want_ls:
+        if prefix in have_ls:
+            mine, theirs = (_front_end(table, prefix[:-1]) for table in (want, have))
+            if mine != theirs:
+                raise CheckpointError(
+                    f"The checkpoint holds the state of lossscale_jax.{theirs}(...) at "
+                    f"{_fmt(prefix[:-1]) or 'its root'!r}; the optimizer state is "
+                    f"lossscale_jax.{mine}(...)'s. A checkpoint restores into the front-end "
+                    f"that saved it: build the optimizer with {theirs}(...) to resume as saved, "
+                    f"or restore it into that front-end's state and carry its loss_scale and "
+                    f"inner_state over: {mine}'s tx.init(params)._replace(loss_scale="
+                    "old.loss_scale, inner_state=old.inner_state) (accumulated gradients of an "
+                    "unfinished window are dropped)."
+                )
     added = {
         **{(n, False): d for n, d in _ADDED_FIELDS.items()},
         **{(n, True): d for n, d in _ADDED_OWNER_FIELDS.items()},

@@ -111,6 +111,12 @@ def restore_under_another_policy():
     lsj.restore_flax(STATE, serialization.to_bytes(saved), policy=lsj.StaticScale(8.0))
 
 
+def restore_another_front_end():
+    saved = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale()).init(PARAMS)
+    target = lsj.loss_scaling_multi_steps(optax.sgd(0.1), lsj.DynamicScale(), 2).init(PARAMS)
+    lsj.restore_flax(target, serialization.to_bytes(saved))
+
+
 def policy_without_conform():
     class Mine(lsj.LossScalePolicy):
         def init(self):
@@ -315,6 +321,12 @@ CASES = [
         checkpoint_without_loss_scaling,
         ValueError,
         "The checkpoint holds no loss-scale state",
+    ),
+    (
+        "checkpoint of another front-end",
+        restore_another_front_end,
+        ValueError,
+        "The checkpoint holds the state of lossscale_jax.loss_scaling(...)",
     ),
     # ---- issue: nothing bad reaches training in any composition ----
     (

@@ -193,3 +193,22 @@ def test_a_checkpoint_saved_under_another_policy_is_reported(tmp_path):
     lsj.restore_orbax(tmp_path / "ck", target, policy=same)
     lsj.restore_flax(target, serialization.to_bytes(saved), policy=same)
     lsj.check_checkpoint(target, serialization.to_state_dict(saved), policy=same)
+
+
+def test_a_checkpoint_of_another_front_end_is_named_and_the_way_out_works():
+    params = {"w": jnp.ones(3)}
+    plain = lsj.loss_scaling(optax.adam(0.1), lsj.DynamicScale(init_scale=8.0))
+    multi = lsj.loss_scaling_multi_steps(optax.adam(0.1), lsj.DynamicScale(init_scale=8.0), 2)
+    state = plain.init(params)
+    _, state = plain.update({"w": jnp.full(3, 8.0)}, state, params)
+    encoded = serialization.to_bytes(state)
+    with pytest.raises(lsj.errors.CheckpointError, match=r"loss_scaling_multi_steps\(\.\.\.\)'s"):
+        lsj.restore_flax(multi.init(params), encoded)
+    # What the message says to do: restore as saved, carry loss_scale and inner_state over.
+    old = lsj.restore_flax(plain.init(params), encoded)
+    moved = multi.init(params)._replace(loss_scale=old.loss_scale, inner_state=old.inner_state)
+    assert_bits_equal(moved.inner_state, state.inner_state)
+    for _ in range(2):  # one window: the moved Adam state takes its second step
+        _, moved = multi.update({"w": jnp.full(3, 8.0)}, moved, params)
+    assert int(moved.inner_state[0].count) == 2
+    assert int(moved.loss_scale.total_steps) == 2
