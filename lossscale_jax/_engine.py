@@ -179,9 +179,11 @@ class Engine:
             )
         if any(jnp.shape(v) != (WIDTH,) for v in taps.values):
             raise TapError(
-                f"{self.where}: each tap's statistics must be a ({WIDTH},) vector (one "
-                "device's, inside the mapped step), got shapes "
-                f"{sorted({jnp.shape(v) for v in taps.values})}."
+                f"{self.where}: each tap's statistics must be one pass's ({WIDTH},) vector, "
+                f"got shapes {sorted({jnp.shape(v) for v in taps.values})}. A leading axis "
+                "is a batch of passes: from jax.vmap over a tapped function (per-example "
+                "gradients), pass taps.fold(axis=0); from pmap or shard_map, call the update "
+                "inside the mapped step, with each device's own statistics."
             )
         found = jnp.logical_or(found, taps.overflow(self.mode))
         if amax is not None:

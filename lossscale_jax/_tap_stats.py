@@ -149,6 +149,36 @@ class TapStats:
     def __len__(self) -> int:
         return len(self.names)
 
+    def fold(self, axis: int = 0) -> TapStats:
+        """The statistics of a batch of passes as one pass's, folded over ``axis``.
+
+        ``jax.vmap`` of a tapped function (per-example gradients) returns one vector per
+        example: a leading batch axis. Folded, the counts add up (uses, inf/nan, nonzero,
+        below 2**-14, entries) and ``max_abs`` is the largest of the examples' (exact where
+        each example's is). The result is what ``tx.update(..., taps=)`` takes::
+
+          loss, grads, taps = jax.vmap(lsj.taps.value_and_grad(f), (None, 0))(params, xs)
+          updates, opt_state = tx.update(grads_of_the_batch, opt_state, params,
+                                         taps=taps.fold())
+
+        Under ``pmap`` or ``shard_map`` each device passes its own statistics inside the
+        mapped step instead (the engine reduces over the axis).
+        """
+        folded = []
+        for v in self.values:
+            v = jnp.asarray(v, F32)
+            if v.ndim < 2 or v.shape[-1] != WIDTH:
+                raise ValueError(
+                    f"fold needs a batch of statistics (shape (batch, ..., {WIDTH})), got a "
+                    f"vector of shape {v.shape}."
+                )
+            total = jnp.sum(v, axis=axis)
+            peaks = jnp.max(v[..., [MAX, FWD_MAX]], axis=axis)
+            # A max over examples, stored where a sum over uses would be: max_abs reads
+            # min(MAX, the highest bucket's power of 2), which is this max (it is below it).
+            folded.append(total.at[..., MAX].set(peaks[..., 0]).at[..., FWD_MAX].set(peaks[..., 1]))
+        return TapStats(self.names, self.dtypes, folded, self.scaled)
+
     def _field(self, index: int) -> dict[str, jax.Array]:
         return {n: v[..., index] for n, v in zip(self.names, self.values, strict=True)}
 

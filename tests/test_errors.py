@@ -844,7 +844,7 @@ CASES += [
         "taps stacked",
         _stacked_taps,
         lsj.errors.TapError,
-        "loss_scaling: each tap's statistics must be a (286,) vector (one device's",
+        "loss_scaling: each tap's statistics must be one pass's (286,) vector",
     ),
     (
         "value_and_grad argnums",

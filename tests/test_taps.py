@@ -480,3 +480,35 @@ def test_taps_used_wrongly():
         tx.update({"w": jnp.ones(2)}, st, taps=stacked)
     with pytest.raises(ValueError, match="argnums"):
         lsj.taps.value_and_grad(lambda w: w, argnums=-1)
+
+
+def test_vmap_per_example_taps_fold_into_one_pass():
+    # Per-example gradients: vmap of the tapped gradient gives one vector per example;
+    # folded, the counts are the examples' sums and max_abs the largest of theirs, each
+    # example's computed on its own without vmap.
+    p = make_params()
+    xs = jax.random.normal(jax.random.PRNGKey(5), (6, 1, 6)).astype(jnp.float16)
+    xs = xs * jnp.asarray([1, 2, 4, 8, 16, 32], jnp.float16)[:, None, None]
+    ys = jnp.zeros((6, 1, 3))
+    scale = 2.0**6
+    _, grads, taps = jax.vmap(TAPPED_GRAD, (None, 0, None))(p, (xs, ys), scale)
+    singles = [TAPPED_GRAD(p, (xs[i], ys[i]), scale)[2] for i in range(6)]
+    folded = taps.fold()
+    for name in folded.names:
+        got = {k: float(v) for k, v in folded.summary()[name].items()}
+        each = [t.summary()[name] for t in singles]
+        assert got["uses"] == 6.0
+        assert got["max_abs"] == max(float(e["max_abs"]) for e in each)
+        assert got["nonfinite"] == sum(float(e["nonfinite"]) for e in each)
+        np.testing.assert_array_equal(
+            np.asarray(folded.values[folded.names.index(name)])[layout.NONZERO],
+            sum(np.asarray(t.values[t.names.index(name)])[layout.NONZERO] for t in singles),
+        )
+    tx = lsj.loss_scaling(optax.sgd(0.1), lsj.HeadroomScale(init_scale=scale))
+    batch_grads = jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), grads)
+    with pytest.raises(lsj.errors.TapError, match=r"taps\.fold\(axis=0\)"):
+        tx.update(batch_grads, tx.init(p), p, taps=taps)
+    _, state = tx.update(batch_grads, tx.init(p), p, taps=folded)
+    assert not bool(state.loss_scale.last_skipped)
+    with pytest.raises(ValueError, match="fold needs a batch"):
+        singles[0].fold()
