@@ -14,10 +14,10 @@ data:
 - ``saturating, saturating`` and ``saturating, both``: ``|g| >= 65504`` is caught, the
   same steps are skipped, the scale backs off the same way and training follows the
   reference step for step (the loss to float16 rounding: the two programs are compiled
-  apart and may round intermediates differently), until a step where IEEE hardware computes a gradient of
-  exactly 65504 (values in [65504, 65520) round to 65504, not to inf): the saturating
-  check skips it too, the IEEE check does not, and from there the two runs differ a
-  little while training equally well.
+  apart and may round intermediates differently), until a step where IEEE hardware
+  computes a gradient of exactly 65504 (values in [65504, 65520) round to 65504, not to
+  inf): the saturating check skips it too, the IEEE check does not, and from there the
+  two runs differ a little while training equally well.
 
 Run: ``python examples/npu_saturation.py``
 """

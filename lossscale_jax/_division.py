@@ -47,17 +47,15 @@ def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
     down = jnp.float32(-np.inf)
     q_up = jnp.nextafter(q, up)
     q_down = jnp.nextafter(q, down)
-    candidates = jnp.stack([jnp.nextafter(q_down, down), q_down, q, q_up, jnp.nextafter(q_up, up)])
-    err = jnp.abs(_remainder(a, candidates, n))
-    even = (jax.lax.bitcast_convert_type(candidates, jnp.uint32) & 1) == 0
-    at_min = err == jnp.min(err, axis=0)
+    candidates = [jnp.nextafter(q_down, down), q_down, q, q_up, jnp.nextafter(q_up, up)]
     # The smallest remainder; of two equal ones (the quotient lies half way), the even one.
-    pick = jnp.where(
-        jnp.any(at_min & even, axis=0),
-        jnp.argmax(at_min & even, axis=0),
-        jnp.argmax(at_min, axis=0),
-    )
-    corrected = jnp.take_along_axis(candidates, pick[None], axis=0)[0]
+    best, best_err = q, jnp.abs(_remainder(a, q, n))
+    for c in candidates:
+        err = jnp.abs(_remainder(a, c, n))
+        even = (jax.lax.bitcast_convert_type(c, jnp.uint32) & 1) == 0
+        better = (err < best_err) | ((err == best_err) & even)
+        best, best_err = jnp.where(better, c, best), jnp.where(better, err, best_err)
+    corrected = best
     # Near zero the neighbours are subnormal, which XLA:CPU flushes to zero: keep q there
     # (0 itself is exact; a rate below 2**-100 is never read for its last bit).
     return jnp.where(jnp.abs(q) < TINY, q, corrected)
