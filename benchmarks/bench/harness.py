@@ -1,10 +1,11 @@
 """Compiling, running and timing the variants of a case; the allocator children.
 
 ``run_case`` compiles every variant of a case, runs them interleaved (the order rotated each
-round, so machine noise hits them alike) in one mode or both (``MODES``) and refuses a variant whose loss went non-finite,
-whose parameters or optimizer state hold a non-finite value, or whose loss scale moved or that
-skipped a step. ``run_children`` runs the cases once per allocator, each in a child process
-started with the allocator's environment and a compilation cache shared for the run.
+round, so machine noise hits them alike) in one timing mode or both (``MODES``) and refuses a
+variant whose loss went non-finite, whose parameters or optimizer state hold a non-finite
+value, or whose loss scale moved or that skipped a step. ``run_children`` runs the cases once
+per allocator, each in a child process started with the allocator's environment and a
+compilation cache shared for the run.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from .prototypes import tracing
 from .report import mb
 from .variants import SLOW_PEERS, VARIANTS
 from .workloads import INIT_SCALE, WORKLOADS, build_case
-
 
 # latency: each step blocked on (``block_until_ready``) before the next is dispatched, the
 # median step; throughput: ``steps`` steps dispatched back to back, each fed the last one's

@@ -253,19 +253,6 @@ def headline(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     else f"{r['ratio']:.2f} ({r['ratio_lo']:.2f}-{r['ratio_hi']:.2f})"
                 )
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    if thr:
-        lines += ["", "## Throughput (steps dispatched back to back, one block at the end)", ""]
-        lines += ["| case | variant | allocator | x plain | ms |", "|---|---|---|---:|---:|"]
-        lines += [
-            f"| {r['case']} | {r['variant']} | {r['allocator']} | "
-            + (
-                f"REFUSED: {r['refused']} | |"
-                if r["refused"]
-                else f"{r['ratio']:.2f} ({r['ratio_lo']:.2f}-{r['ratio_hi']:.2f}) | "
-                f"{r['median_ms']:.2f} |"
-            )
-            for r in thr
-        ]
     checks = targets(rows, allocs)
     if checks:
         lines += ["", "| target | measured | met |", "|---|---|---|"]
