@@ -139,7 +139,7 @@ def _element_bytes(dtype: str) -> int:
 def _shape_bytes(shape: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
-        if dtype == "token":
+        if dtype in ("token", "opaque"):
             continue
         sizes = [int(d.removeprefix("<=")) for d in dims.split(",") if d]
         total += _element_bytes(dtype) * int(np.prod(sizes or [1]))
