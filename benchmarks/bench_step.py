@@ -43,6 +43,8 @@ Workloads, layouts, gradient patterns, steps:
   fp16grad  gradients taken w.r.t. the float16 copy of float32 master weights
   fp32grad  gradients taken w.r.t. the float32 params, cast inside the loss (what Flax's
             ``dtype=float16, param_dtype=float32`` modules give)
+  lm_185m   a decoder-only transformer (d 1024, 12 layers, 16 heads, vocabulary 32768,
+            sequence 1024, batch 8: 185.6M params); lm_tiny: the same code, small
   full      forward + backward + scaler + Adam + apply;  post: scaler + Adam + apply on
             precomputed (scaled) gradients
 
@@ -53,6 +55,10 @@ Usage::
   python benchmarks/bench_step.py --cases mlp_20m/in_out/fp16grad/post \\
       --variants plain lsj_fused_ieee proto_fused_mask --allocators glibc_tuned
   python benchmarks/bench_step.py --check-report         # overflow-check formulations alone
+  python benchmarks/bench_step.py --gpu-results benchmarks/results_gpu.json  # on a GPU
+
+Modes (``--modes``): latency (each step blocked on; the CPU default) and throughput (steps
+dispatched back to back, one block at the end); both by default on an accelerator.
 """
 
 from bench.cli import main  # bench/ sits next to this file, which Python puts on sys.path

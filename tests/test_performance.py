@@ -9,6 +9,8 @@ temporary memory within one byte per parameter of the plain step.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +33,10 @@ prototypes = import_benchmark("prototypes")
 report = import_benchmark("report")
 variants = import_benchmark("variants")
 workloads = import_benchmark("workloads")
+
+# Tests that assert facts of XLA:CPU's optimized HLO (its conditionals, fusions, selects): the
+# suite also runs on a GPU (JAX_PLATFORMS=cuda,cpu), where XLA:GPU compiles the step otherwise.
+cpu_hlo = pytest.mark.skipif(jax.default_backend() != "cpu", reason="reads XLA:CPU's optimized HLO")
 
 
 def _params(rng: np.random.Generator, dtype) -> dict:
@@ -155,6 +161,7 @@ def _compile(fn, init, params, grads):
     return jax.jit(fn, donate_argnums=(0, 1)).lower(params, init(params), grads).compile()
 
 
+@cpu_hlo
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ieee", "saturating"])
 def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
@@ -189,6 +196,7 @@ def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
     assert temps["fused"] <= temps["plain"] + 1024, (temps, n_params)
 
 
+@cpu_hlo
 @pytest.mark.parametrize("mode", ["ieee", "saturating", "both"])
 def test_overflow_check_is_one_fused_read_per_leaf(mode):
     """No mask or partial result of a gradient's size is written: each gradient leaf is
@@ -219,6 +227,7 @@ def test_overflow_check_is_one_fused_read_per_leaf(mode):
     assert len(reading) == 3, sorted(reading)
 
 
+@cpu_hlo
 def test_hlo_reader_sees_a_whole_tree_select():
     """The HLO checks above can fail: jmp's select_tree is caught by them."""
     import jmp
@@ -256,6 +265,7 @@ def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     assert large <= 4.4 * small  # linear (a quadratic pattern would give ~16x)
 
 
+@cpu_hlo
 @pytest.mark.slow
 def test_benchmark_quick_run(tmp_path):
     """`benchmarks/bench_step.py --quick`: every variant, full and post step, stays finite
@@ -380,6 +390,7 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     assert mem_n.temp_size_in_bytes == mem_p.temp_size_in_bytes
 
 
+@cpu_hlo
 @pytest.mark.slow
 def test_benchmark_prototypes_still_trace_and_stay_finite():
     """Every variant outside the default run, the `proto_*` ones (the formulations
@@ -431,3 +442,161 @@ def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     assert refused["plain"] is None
     assert "non-finite parameters" in refused["diverging"]
     assert "loss scale moved" in refused["skipping"]
+
+
+# --------------------------------------------------------------------------
+# The benchmark on an accelerator: XLA:GPU's HLO text, the throughput mode, the language model,
+# the GPU results (benchmarks/README.md).
+
+_INDEXED = re.compile(
+    r"conditional\((%[\w.\-]+), (%[\w.\-]+), (%[\w.\-]+)\), "
+    r"branch_computations=\{(%[\w.\-]+), (%[\w.\-]+)\}"
+)
+
+
+def _as_xla_gpu_prints_it(text: str) -> str:
+    """XLA:CPU's two-branch conditional written as XLA:GPU prints it: the index is 0 for
+    false, 1 for true, so ``conditional(i, a, b), branch_computations={f, t}`` becomes
+    ``conditional(p, b, a), true_computation=t, false_computation=f``."""
+    return _INDEXED.sub(r"conditional(\1, \3, \2), true_computation=\5, false_computation=\4", text)
+
+
+@cpu_hlo
+@pytest.mark.slow
+def test_hlo_reader_reads_xla_gpu_conditionals():
+    """The reader gives the same branches, bytes, counts and reads for a compiled step whose
+    conditional is written in XLA:GPU's predicate form as for XLA:CPU's index form."""
+    params = _params(np.random.default_rng(4), jnp.float32)
+    grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
+    tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
+    fn, init = _steps(tx, optax.adam(1e-3))["fused"]
+    cpu = _compile(fn, init, params, grads).as_text()
+    gpu = _as_xla_gpu_prints_it(cpu)
+    assert "branch_computations=" in cpu and "branch_computations=" not in gpu
+    assert gpu.count("true_computation=") == cpu.count("branch_computations=") == 1
+
+    def conditionals(text):
+        comps, _ = hlo.parse_hlo(text)
+        return [i for c in comps.values() for i in c if i["op"] == "conditional"]
+
+    (c_cpu,), (c_gpu,) = conditionals(cpu), conditionals(gpu)
+    # Branch k takes operand k + 1 in both forms: the same (operand, branch) pairs.
+    pairs = lambda c: sorted(zip(c["operands"][1:], hlo.branches(c), strict=True))  # noqa: E731
+    assert pairs(c_gpu) == pairs(c_cpu)
+    assert hlo.branches(c_gpu) == hlo.branches(c_cpu)[::-1]
+    big = hlo.shape_strings(params)
+    assert hlo.hlo_stats(gpu, big) == hlo.hlo_stats(cpu, big)
+    for k in params:
+        assert hlo.reads(gpu, f"grads['{k}']") == hlo.reads(cpu, f"grads['{k}']") >= 1, k
+    with pytest.raises(ValueError, match="neither branch_computations"):
+        hlo.branches({"name": "c", "rest": "%p, %a, %b), metadata={}"})
+
+
+def test_hlo_reader_sizes_xla_gpu_types_and_follows_calls():
+    """Element types XLA:CPU rarely prints have sizes, and a computation run by a ``call``
+    (XLA:GPU's command buffers) counts in the bytes moved and the reads."""
+    assert hlo._shape_bytes("(f8e4m3fn[4,2], c64[3], bf16[2], token[])") == 8 + 24 + 4
+    with pytest.raises(ValueError, match="not known"):
+        hlo._shape_bytes("zz9[2]")
+    text = """ENTRY %main (g: f32[8]) -> f32[8] {
+  %g = f32[8]{0} parameter(0), metadata={op_name="grads['w']"}
+  ROOT %call = f32[8]{0} call(%g), to_apply=%command_buffer
+}
+%command_buffer (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %fusion = f32[8]{0} fusion(%p0), kind=kLoop, calls=%fused
+}
+"""
+    assert hlo.reads(text, "grads['w']") == 1
+    assert hlo.bytes_moved(text) == 2 * 32
+
+
+@pytest.mark.slow
+def test_language_model_workloads():
+    """lm_185m is the GPU run's model (185.6M params); lm_tiny is the same code, small; both
+    train through the Flax layout only."""
+    assert workloads.param_count("lm_185m") == 185_623_552
+    spec = workloads.WORKLOADS["lm_tiny"]
+    built = workloads.build_case("lm_tiny/in_out/fp16grad/full")
+    assert sum(p.size for p in jax.tree_util.tree_leaves(built.params)) == (
+        workloads.param_count("lm_tiny")
+    )
+    tokens, targets = built.args
+    assert tokens.shape == targets.shape == (spec["batch"], spec["seq"])
+    loss = jax.eval_shape(built.loss, workloads.to16(built.params), tokens, targets)
+    assert loss.shape == () and loss.dtype == jnp.float32
+    post = workloads.build_case("lm_tiny/in_out/fp16grad/post")
+    assert all(g.dtype == jnp.float16 for g in jax.tree_util.tree_leaves(post.args))
+    with pytest.raises(ValueError, match="in_out layout only"):
+        workloads.check_case("lm_tiny/out_in/fp16grad/full")
+    assert set(variants.GPU_VARIANTS.values()) <= set(variants.VARIANTS)
+    assert cli.default_modes() == (
+        ["latency"] if jax.default_backend() == "cpu" else ["latency", "throughput"]
+    )
+
+
+@pytest.mark.slow
+def test_benchmark_throughput_mode():
+    """Both modes: one row per variant and mode, each mode's ratios to plain in that mode;
+    throughput times ``steps`` back-to-back steps per round, the carry fed through."""
+    rows = harness.run_case(
+        "tiny/in_out/fp16grad/post",
+        ["plain", "lsj_fused_ieee"],
+        2,
+        1,
+        False,
+        lambda m: None,
+        modes=("latency", "throughput"),
+        steps=3,
+    )
+    assert [(r["mode"], r["variant"]) for r in rows] == [
+        ("latency", "plain"),
+        ("latency", "lsj_fused_ieee"),
+        ("throughput", "plain"),
+        ("throughput", "lsj_fused_ieee"),
+    ]
+    for r in rows:
+        assert r["refused"] is None and r["median_ms"] > 0
+        assert r["samples"] == (2 if r["mode"] == "latency" else 6)
+        if r["variant"] == "plain":
+            assert r["ratio"] == r["ratio_lo"] == r["ratio_hi"] == 1.0
+
+
+@pytest.mark.slow
+def test_benchmark_gpu_results_schema(tmp_path, monkeypatch, capsys):
+    """`--gpu-results PATH` on CPU with lm_tiny: results_gpu.json has the documented schema
+    and its table is written; a variant whose package is missing is skipped with a line."""
+    monkeypatch.setattr(cli, "missing_package", lambda name: "jmp" if name == "jmp" else None)
+    path = tmp_path / "results_gpu.json"
+    argv = ["--gpu-results", str(path), "--rounds", "2", "--iters", "1", "--steps", "2"]
+    argv += ["--cases", "lm_tiny/in_out/fp16grad/full", "lm_tiny/in_out/fp16grad/post"]
+    argv += ["--variants", "lsj_fused", "lsj_headroom_taps", "jmp", "--modes", *harness.MODES]
+    cli.main(argv)
+    assert "skipping variant jmp: the package jmp is not installed" in capsys.readouterr().err
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"meta", "rows"}
+    meta = doc["meta"]
+    assert set(report.GPU_META_KEYS) <= set(meta)
+    assert meta["rounds"] == 2 and meta["jax"] == jax.__version__
+    assert meta["device"].startswith(jax.devices()[0].platform)
+    assert any("jmp" in line for line in meta["skipped"]) and meta["refused"] == []
+    assert meta["command"].startswith("python benchmarks/bench_step.py --gpu-results")
+    rows = doc["rows"]
+    assert all(tuple(r) == report.GPU_ROW_KEYS for r in rows)
+    assert sorted(
+        (r["case"].split("/")[-1], r["step"], r["mode"], r["variant"]) for r in rows
+    ) == sorted(
+        (s, s, m, v)
+        for s in ("full", "post")
+        for m in harness.MODES
+        for v in ("plain", "lsj_fused", "lsj_headroom_taps")
+    )
+    for r in rows:
+        assert r["params"] == workloads.param_count("lm_tiny")
+        assert r["ms"] > 0 and r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"]
+        if r["variant"] == "plain":
+            assert r["ratio"] == 1.0
+        assert set(r["variant"]) and r["variant"] in variants.GPU_VARIANTS
+    table = path.with_suffix(".md").read_text()
+    assert "| lsj_headroom_taps |" in table and "x plain, throughput" in table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results_gpu.json", "results_gpu.md"]

@@ -5,6 +5,11 @@ allocator, each in a child process, or in this process for ``--quick``), adds th
 breakdowns on the default run or with ``--check-report``, and writes ``results.json``,
 ``results.md`` and, for a default run into ``benchmarks/``, the marked blocks of
 docs/performance.md (``--render`` rewrites those from ``results.json`` without measuring).
+
+``--gpu-results PATH`` is the accelerator's run: in this process (the allocators are a CPU
+matter), the language model's full and post steps (``GPU_CASES``), the variants of
+``GPU_VARIANTS``, latency and throughput; it writes PATH (JSON) and the table next to it
+(PATH with ``.md``) and nothing else. Nothing is written there unless asked.
 """
 
 from __future__ import annotations
@@ -24,10 +29,18 @@ import jax
 import optax
 
 from .breakdowns import check_report, compile_report
-from .harness import ALLOCATORS, DEFAULT_ALLOCATORS, allocator_env, log, run_children, run_here
-from .report import DOCS, HEADLINE, markdown, targets, update_docs
-from .variants import DEFAULT_VARIANTS, VARIANTS
-from .workloads import DEFAULT_CASES, QUICK_CASES, check_case
+from .harness import (
+    ALLOCATORS,
+    DEFAULT_ALLOCATORS,
+    MODES,
+    allocator_env,
+    log,
+    run_children,
+    run_here,
+)
+from .report import DOCS, HEADLINE, gpu_markdown, gpu_results, markdown, targets, update_docs
+from .variants import DEFAULT_VARIANTS, GPU_VARIANTS, VARIANTS, missing_package
+from .workloads import DEFAULT_CASES, GPU_CASES, QUICK_CASES, check_case
 
 BENCHMARKS = Path(__file__).resolve().parent.parent  # the default --out
 ENTRY = BENCHMARKS / "bench_step.py"  # the one command; the allocator children run it too
@@ -41,7 +54,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variants", nargs="*", default=None)
     ap.add_argument("--allocators", nargs="*", default=None, choices=ALLOCATORS)
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--iters", type=int, default=None, help="steps per variant per round")
+    ap.add_argument(
+        "--iters", type=int, default=None, help="blocked steps per variant per round (latency)"
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=MODES,
+        help="latency: each step blocked on; throughput: steps dispatched back to back, one "
+        "block at the end (default: both on an accelerator, latency on CPU)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="back-to-back steps per variant per round (throughput; default 30 for "
+        "--gpu-results, else --iters)",
+    )
+    ap.add_argument(
+        "--gpu-results",
+        default=None,
+        metavar="PATH",
+        help="the accelerator's run: the language model (lm_185m), the GPU variants, both "
+        "modes, in this process; writes PATH (JSON) and PATH with .md, nothing else",
+    )
     ap.add_argument(
         "--check-report",
         action="store_true",
@@ -70,9 +107,28 @@ def _load() -> str:
         return "n/a"
 
 
+def default_modes() -> list[str]:
+    """Both modes on an accelerator; latency on CPU, where a step's dispatch is a small part
+    of it and the CPU results (results.json, the targets) have always been latency."""
+    return list(MODES) if jax.default_backend() != "cpu" else ["latency"]
+
+
+def _available(variants: list[str]) -> tuple[list[str], list[str]]:
+    """The variants whose packages are installed, and a line for each one skipped."""
+    skipped = []
+    for name in variants:
+        package = missing_package(name)
+        if package:
+            skipped.append(f"{name} (the package {package} is not installed)")
+            log(f"skipping variant {name}: the package {package} is not installed")
+    return [v for v in variants if not missing_package(v)], skipped
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """The one command; returns the rows it measured (or rendered)."""
     args = parse_args(argv)
+    if args.gpu_results:
+        return gpu_main(args, argv)
     cases = args.cases or list(QUICK_CASES if args.quick else DEFAULT_CASES)
     for case in cases:
         check_case(case)
@@ -80,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in names:
         if name not in VARIANTS:
             raise ValueError(f"--variants: unknown variant {name!r}; choose from {list(VARIANTS)}.")
-    variants = ["plain"] + [v for v in names if v != "plain"]
+    variants, _ = _available(["plain"] + [v for v in names if v != "plain"])
     rounds = args.rounds or (2 if args.quick else 7)
     iters = args.iters or (2 if args.quick else 3)
 
@@ -100,6 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             not args.no_compile_times,
             os.environ.get("BENCH_ALLOCATOR", "default"),
             args.skip_slow_peers,
+            args.modes or default_modes(),
+            args.steps,
         )
         Path(args.child).write_text(json.dumps(rows))
         return rows
@@ -112,11 +170,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     missing = [a for a in wanted if a not in allocators]
     if args.quick and allocators == ["default"]:
         # A smoke run: no compile times (they would need every cache cleared).
-        rows = run_here(cases, variants, rounds, iters, False, "default")
+        modes = args.modes or default_modes()
+        rows = run_here(cases, variants, rounds, iters, False, "default", False, modes, args.steps)
     else:
         child_args = ["--cases", *cases, "--variants", *variants]
         child_args += ["--rounds", str(rounds), "--iters", str(iters)]
         child_args += ["--skip-slow-peers"] if args.skip_slow_peers else []
+        # The children choose the default modes: this process leaves the accelerator alone.
+        child_args += ["--modes", *args.modes] if args.modes else []
+        child_args += ["--steps", str(args.steps)] if args.steps else []
         cache = tempfile.mkdtemp(prefix="bench_step_cache_")
         try:
             rows = run_children(ENTRY, cache, allocators, child_args)
@@ -156,3 +218,58 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"({time.perf_counter() - t_start:.0f} s)"
     )
     return rows
+
+
+def gpu_main(args: argparse.Namespace, argv: list[str] | None) -> list[dict[str, Any]]:
+    """``--gpu-results PATH``: the accelerator's run, in this process; writes PATH and its
+    table (PATH with ``.md``); returns the rows of PATH."""
+    import jaxlib
+
+    t_start = time.perf_counter()
+    cases = args.cases or list(GPU_CASES)
+    for case in cases:
+        check_case(case)
+    names = args.variants or list(GPU_VARIANTS)
+    for name in names:
+        if name not in GPU_VARIANTS:
+            raise ValueError(
+                f"--variants with --gpu-results: unknown variant {name!r}; choose from "
+                f"{list(GPU_VARIANTS)}."
+            )
+    names = ["plain"] + [v for v in names if v != "plain"]
+    variants, skipped = _available([GPU_VARIANTS[n] for n in names])
+    rounds = args.rounds or 5
+    iters = args.iters or 10
+    steps = args.steps or 30
+    modes = args.modes or default_modes()
+    rows = run_here(cases, variants, rounds, iters, False, "default", False, modes, steps)
+    device = jax.devices()[0]
+    try:
+        import flax
+
+        flax_version = flax.__version__
+    except ImportError:
+        flax_version = None
+    meta = {
+        "device": f"{device.platform}: {device.device_kind}",
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "optax": optax.__version__,
+        "flax": flax_version,
+        "command": " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])]),
+        "rounds": rounds,
+        "iters": iters,
+        "steps": steps,
+        "modes": modes,
+        "skipped": skipped,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    doc = gpu_results(rows, meta)
+    path = Path(args.gpu_results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    path.with_suffix(".md").write_text(gpu_markdown(doc))
+    for line in doc["meta"]["refused"]:
+        log(f"  REFUSED {line}")
+    log(f"wrote {path} and {path.with_suffix('.md')} ({time.perf_counter() - t_start:.0f} s)")
+    return doc["rows"]

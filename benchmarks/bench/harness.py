@@ -1,10 +1,11 @@
 """Compiling, running and timing the variants of a case; the allocator children.
 
 ``run_case`` compiles every variant of a case, runs them interleaved (the order rotated each
-round, so machine noise hits them alike) and refuses a variant whose loss went non-finite,
-whose parameters or optimizer state hold a non-finite value, or whose loss scale moved or that
-skipped a step. ``run_children`` runs the cases once per allocator, each in a child process
-started with the allocator's environment and a compilation cache shared for the run.
+round, so machine noise hits them alike) in one timing mode or both (``MODES``) and refuses a
+variant whose loss went non-finite, whose parameters or optimizer state hold a non-finite
+value, or whose loss scale moved or that skipped a step. ``run_children`` runs the cases once
+per allocator, each in a child process started with the allocator's environment and a
+compilation cache shared for the run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from .prototypes import tracing
 from .report import mb
 from .variants import SLOW_PEERS, VARIANTS
 from .workloads import INIT_SCALE, WORKLOADS, build_case
+
+# latency: each step blocked on (``block_until_ready``) before the next is dispatched, the
+# median step; throughput: ``steps`` steps dispatched back to back, each fed the last one's
+# outputs, one block at the end, the time over ``steps`` (what a training loop sees when the
+# host queues steps ahead of the device).
+MODES = ("latency", "throughput")
 
 
 def log(msg: str) -> None:
@@ -100,9 +107,7 @@ def _compile_variant(name, case, measure_compile, log) -> dict[str, Any]:
         "compiled": compiled,
         "carry": out[:2],
         "losses": [out[2]] if case.kind == "full" else [],
-        "times": [],
-        "faults": 0,
-        "round_ms": [],
+        "modes": {m: {"times": [], "faults": 0, "round_ms": []} for m in MODES},
         "scale_of": scale_of,
         "compile_cpu_s": compile_cpu if measured else None,
         "compile_wall_s": compile_wall if measured else None,
@@ -123,6 +128,33 @@ def _refusals(run: dict[str, Any]) -> list[str]:
     return refused
 
 
+def _latency(run, args, iters: int, full: bool) -> list[float]:
+    """``iters`` steps, each blocked on: their times."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = run["compiled"](*run["carry"], *args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        run["carry"] = out[:2]
+        if full:
+            run["losses"].append(out[2])
+    return times
+
+
+def _throughput(run, args, steps: int, full: bool) -> list[float]:
+    """``steps`` steps dispatched back to back (each fed the last one's outputs), one block
+    at the end: the time per step, once per step (the samples of the round)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = run["compiled"](*run["carry"], *args)
+        run["carry"] = out[:2]
+        if full:
+            run["losses"].append(out[2])
+    jax.block_until_ready(run["carry"])
+    return [(time.perf_counter() - t0) / steps] * steps
+
+
 def run_case(
     case: str,
     variants: list[str],
@@ -130,34 +162,48 @@ def run_case(
     iters: int,
     measure_compile: bool,
     log: Callable[[str], None],
+    modes: Sequence[str] = ("latency",),
+    steps: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per variant of ``case`` (``plain`` among them: the ratios are to it)."""
+    """One row per variant of ``case`` and mode (``plain`` among the variants: the ratios are
+    to it, round by round in the same mode). Each round runs every variant in turn, each in
+    every mode: ``iters`` blocked steps (latency), ``steps`` (default ``iters``) back-to-back
+    steps (throughput)."""
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"mode {m!r}: choose from {MODES}.")
+    steps = steps or iters
     built = build_case(case)
     leaves = jax.tree_util.tree_leaves(built.params)
     runs = {name: _compile_variant(name, built, measure_compile, log) for name in variants}
+    full = built.kind == "full"
+    timers = {
+        "latency": lambda run: _latency(run, built.args, iters, full),
+        "throughput": lambda run: _throughput(run, built.args, steps, full),
+    }
 
     for order in rotations(variants, rounds):
         for name in order:
-            run = runs[name]
-            times = []
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                out = run["compiled"](*run["carry"], *built.args)
-                jax.block_until_ready(out)
-                times.append(time.perf_counter() - t0)
-                run["carry"] = out[:2]
-                if built.kind == "full":
-                    run["losses"].append(out[2])
-            run["faults"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-            run["times"] += times
-            run["round_ms"].append(statistics.median(times) * 1e3)
+            for m in modes:
+                run, rec = runs[name], runs[name]["modes"][m]
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                times = timers[m](run)
+                rec["faults"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                rec["times"] += times
+                rec["round_ms"].append(statistics.median(times) * 1e3)
 
     rows = []
-    plain_rounds = runs["plain"]["round_ms"]
+    for m in modes:
+        rows += _rows(case, built, leaves, variants, runs, m)
+    return rows
+
+
+def _rows(case, built, leaves, variants, runs, mode: str) -> list[dict[str, Any]]:
+    rows = []
+    plain_rounds = runs["plain"]["modes"][mode]["round_ms"]
     for name in variants:
-        run = runs[name]
-        ratios = [v / p for v, p in zip(run["round_ms"], plain_rounds, strict=True)]
+        run, rec = runs[name], runs[name]["modes"][mode]
+        ratios = [v / p for v, p in zip(rec["round_ms"], plain_rounds, strict=True)]
         rows.append(
             {
                 "case": case,
@@ -166,19 +212,20 @@ def run_case(
                 "pattern": built.pattern,
                 "kind": built.kind,
                 "variant": name,
+                "mode": mode,
                 "params": int(sum(p.size for p in leaves)),
                 "leaves": len(leaves),
-                "median_ms": statistics.median(run["times"]) * 1e3,
-                "min_ms": min(run["times"]) * 1e3,
+                "median_ms": statistics.median(rec["times"]) * 1e3,
+                "min_ms": min(rec["times"]) * 1e3,
                 "ratio": statistics.median(ratios),
                 "ratio_lo": min(ratios),
                 "ratio_hi": max(ratios),
-                "faults_per_step": run["faults"] / len(run["times"]),
+                "faults_per_step": rec["faults"] / len(rec["times"]),
                 "compile_cpu_s": run["compile_cpu_s"],
                 "compile_wall_s": run["compile_wall_s"],
                 "temp_bytes": run["temp_bytes"],
                 **{k: run[k] for k in HLO_COLUMNS},
-                "samples": len(run["times"]),
+                "samples": len(rec["times"]),
                 "refused": "; ".join(_refusals(run)) or None,
             }
         )
@@ -186,7 +233,15 @@ def run_case(
 
 
 def run_here(
-    cases, variants, rounds, iters, measure_compile, allocator, skip_slow_peers=False
+    cases,
+    variants,
+    rounds,
+    iters,
+    measure_compile,
+    allocator,
+    skip_slow_peers=False,
+    modes: Sequence[str] = ("latency",),
+    steps: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every case, in this process, its rows marked with ``allocator``."""
     jax.jit(lambda a: a * 2 + 1).lower(jnp.ones(3)).compile()  # JAX's one-time costs
@@ -196,11 +251,11 @@ def run_here(
         names = variants
         if skip_slow_peers and WORKLOADS[case.split("/")[0]].get("depth", 0) >= 100:
             names = [v for v in variants if v not in SLOW_PEERS]
-        for r in run_case(case, names, rounds, iters, measure_compile, log):
+        for r in run_case(case, names, rounds, iters, measure_compile, log, modes, steps):
             r["allocator"] = allocator
             flag = f"REFUSED: {r['refused']}" if r["refused"] else ""
             log(
-                f"    {r['variant']:24s} x{r['ratio']:.2f} ({r['ratio_lo']:.2f}-"
+                f"    {r['variant']:24s} {r['mode']:10s} x{r['ratio']:.2f} ({r['ratio_lo']:.2f}-"
                 f"{r['ratio_hi']:.2f})  {r['median_ms']:8.2f} ms  "
                 f"faults {r['faults_per_step']:7.0f}"
                 f"  temp {mb(r['temp_bytes'])} MB {flag}"

@@ -4,6 +4,13 @@ One reader for the benchmark's columns and the tests' assertions
 (tests/test_performance.py): conditionals, parameter-sized copies and selects, kernels
 (fusions), instructions, the bytes a good step moves, and how many instructions read an entry
 argument.
+
+It reads XLA:CPU's and XLA:GPU's text alike. Where they differ: a conditional is
+``branch_computations={%b0, %b1, ...}`` (an index picks the branch; XLA:CPU, and jax's
+``lax.cond`` as lowered) or ``true_computation=%t, false_computation=%f`` (a predicate;
+XLA:GPU rewrites a two-branch conditional on ``convert(pred)`` so); XLA:GPU wraps runs of
+kernels into ``call``s (command buffers), which the byte estimate and ``reads`` follow into;
+and element types beyond XLA:CPU's usual ones (``f8e4m3fn``, ``c64``, ...) have their sizes.
 """
 
 from __future__ import annotations
@@ -18,9 +25,13 @@ _COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
 _NAME = re.compile(r"%([\w.\-]+)")
 _LAYOUT = re.compile(r"\{[^}]*\}")
-_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
+# An array type: element type, then dimensions (``f32[64,32]``, ``pred[]``; a bounded
+# dynamic dimension, ``<=8``, counts at its bound).
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[((?:<=)?\d*(?:,(?:<=)?\d+)*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2}
-_BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BYTES |= {"s4": 1, "u4": 1, "s2": 1, "u2": 1, "s1": 1, "u1": 1}  # packed types: an upper bound
+_F8 = re.compile(r"f8e\d+m\d+\w*|f4e\d+m\d+\w*|f6e\d+m\d+\w*|f8e8m0fnu")  # 1 byte or less
 # Instructions that move no data of their own.
 _FREE = {
     "parameter",
@@ -65,22 +76,73 @@ def parse_hlo(text: str) -> tuple[Computations, str]:
                     "shape": _LAYOUT.sub("", shape),
                     "op": op,
                     "rest": rest,
-                    "operands": _NAME.findall(rest.split(")")[0]),
+                    "operands": _NAME.findall(_operand_text(rest)),
                     "line": line.replace("\\", ""),
                 }
             )
     return comps, entry
 
 
+def _operand_text(rest: str) -> str:
+    """The operand list of an instruction: ``rest`` up to the ``)`` that closes ``op(``
+    (an operand printed with a tuple type, ``((f32[], f32[]) %p)``, has parentheses of its
+    own)."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return rest[:i]
+    return rest
+
+
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRUE = re.compile(r"\btrue_computation=%([\w.\-]+)")
+_FALSE = re.compile(r"\bfalse_computation=%([\w.\-]+)")
+_CALLS = re.compile(r"\bto_apply=%([\w.\-]+)")
+
+
 def branches(conditional: dict[str, Any]) -> list[str]:
-    """The branch computations of a ``conditional`` instruction, in order."""
-    return _NAME.findall(conditional["rest"].split("branch_computations={")[1].split("}")[0])
+    """The branch computations of a ``conditional`` instruction, in the order of the
+    operands they take: branch ``k`` takes operand ``k + 1``.
+
+    ``branch_computations={%b0, %b1}`` (an index picks the branch) gives ``[b0, b1]``;
+    ``true_computation=%t, false_computation=%f`` (a predicate; XLA:GPU) gives ``[t, f]``,
+    since ``conditional(pred, true_operand, false_operand)`` passes operand 1 to ``t``.
+    """
+    rest = conditional["rest"]
+    m = _BRANCHES.search(rest)
+    if m:
+        return _NAME.findall(m.group(1))
+    t, f = _TRUE.search(rest), _FALSE.search(rest)
+    if t and f:
+        return [t.group(1), f.group(1)]
+    raise ValueError(
+        f"conditional %{conditional['name']}: neither branch_computations= nor "
+        f"true_computation=/false_computation= in {rest[:200]!r}"
+    )
+
+
+def _called(ins: dict[str, Any]) -> str | None:
+    """The computation a ``call`` runs (XLA:GPU's command buffers are calls), else None."""
+    m = _CALLS.search(ins["rest"]) if ins["op"] == "call" else None
+    return m.group(1) if m else None
+
+
+def _element_bytes(dtype: str) -> int:
+    if dtype in _BYTES:
+        return _BYTES[dtype]
+    if _F8.fullmatch(dtype):
+        return 1
+    raise ValueError(f"HLO element type {dtype!r}: its size is not known to bench/hlo.py")
 
 
 def _shape_bytes(shape: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
-        total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        if dtype in ("token", "opaque"):
+            continue
+        sizes = [int(d.removeprefix("<=")) for d in dims.split(",") if d]
+        total += _element_bytes(dtype) * int(np.prod(sizes or [1]))
     return total
 
 
@@ -96,6 +158,8 @@ def bytes_moved(text: str) -> int:
         for ins in comps[comp]:
             if ins["op"] == "conditional":
                 total += max(walk(b) for b in branches(ins))
+            elif _called(ins):
+                total += walk(_called(ins))
             elif ins["op"] not in _FREE:
                 total += _shape_bytes(ins["shape"])
                 total += sum(_shape_bytes(shapes.get(o, "")) for o in ins["operands"])
@@ -145,8 +209,9 @@ def reads(text: str, label: str) -> int:
     """How many instructions read the entry argument ``label`` (its ``op_name``, e.g.
     ``grads['w']``).
 
-    Follows the value through tuples into the conditional's branches; a fusion that reads it
-    counts once, wherever the read happens.
+    Follows the value through tuples into the conditional's branches (where the tuple feeds
+    more than one branch, the branch that reads it most: a step runs one) and into the
+    computations ``call``s run; a fusion that reads it counts once, wherever the read happens.
     """
     comps, entry = parse_hlo(text)
     start = [
@@ -156,28 +221,53 @@ def reads(text: str, label: str) -> int:
     ]
     if len(start) != 1:
         raise ValueError(f"entry argument {label!r} found {len(start)} times, not once")
-    todo, total = [(entry, start[0])], 0
-    while todo:
-        comp, name = todo.pop()
-        for ins in comps[comp]:
-            if name not in ins["operands"]:
-                continue
-            if ins["op"] in ("get-tuple-element", "bitcast"):
-                todo.append((comp, ins["name"]))
-            elif ins["op"] == "tuple":
-                k = ins["operands"].index(name)
-                for cond in comps[comp]:
-                    if cond["op"] != "conditional" or ins["name"] not in cond["operands"]:
-                        continue
-                    branch = branches(cond)[cond["operands"].index(ins["name"]) - 1]
-                    arg = next(i["name"] for i in comps[branch] if i["op"] == "parameter")
-                    for g in comps[branch]:
-                        if (
-                            g["op"] == "get-tuple-element"
-                            and arg in g["operands"]
-                            and re.search(rf"\bindex={k}\b", g["rest"])
-                        ):
-                            todo.append((branch, g["name"]))
-            else:
-                total += 1
+    return _reads(comps, entry, start[0])
+
+
+def _parameter(comps: Computations, comp: str, number: int) -> str:
+    return next(
+        i["name"]
+        for i in comps[comp]
+        if i["op"] == "parameter" and re.match(rf"{number}\)", i["rest"])
+    )
+
+
+def _reads(comps: Computations, comp: str, name: str) -> int:
+    """Instructions that read ``name`` in ``comp``, following it as ``reads`` says."""
+    total = 0
+    for ins in comps[comp]:
+        if name not in ins["operands"]:
+            continue
+        if ins["op"] in ("get-tuple-element", "bitcast"):
+            total += _reads(comps, comp, ins["name"])
+        elif _called(ins):
+            for p, o in enumerate(ins["operands"]):
+                if o == name:
+                    callee = _called(ins)
+                    total += _reads(comps, callee, _parameter(comps, callee, p))
+        elif ins["op"] == "tuple":
+            k = ins["operands"].index(name)
+            for cond in comps[comp]:
+                if cond["op"] != "conditional" or ins["name"] not in cond["operands"]:
+                    continue
+                fed = [
+                    b
+                    for b, o in zip(branches(cond), cond["operands"][1:], strict=True)
+                    if o == ins["name"]
+                ]
+                total += max((_element_reads(comps, b, k) for b in fed), default=0)
+        else:
+            total += 1
     return total
+
+
+def _element_reads(comps: Computations, branch: str, k: int) -> int:
+    """Reads of element ``k`` of a branch's tuple argument."""
+    arg = next(i["name"] for i in comps[branch] if i["op"] == "parameter")
+    return sum(
+        _reads(comps, branch, g["name"])
+        for g in comps[branch]
+        if g["op"] == "get-tuple-element"
+        and arg in g["operands"]
+        and re.search(rf"\bindex={k}\b", g["rest"])
+    )

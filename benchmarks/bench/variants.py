@@ -11,12 +11,16 @@ Each variant is ``variant(loss, pattern) -> (full, post, init, scale_of)``:
 ``optax.adam`` and ``apply_updates``); ``lsj_optax_*`` is ``tx.update`` + ``apply_updates``,
 ``lsj_fused_*`` is ``lsj.apply_gradients``; ``jmp``, ``flax`` and ``optax_if_finite`` are the
 peers as their documentation has them. Not in the default run: the ``lsj_*_headroom_ieee``
-steps and the prototypes (``prototypes.PROTOTYPES``).
+steps, ``lsj_headroom_taps`` and the prototypes (``prototypes.PROTOTYPES``).
+
+``GPU_VARIANTS`` names the variants of the GPU results (``--gpu-results``); ``missing_package``
+says which variant cannot run here (jmp is an optional dependency).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 
 import jax
@@ -80,6 +84,33 @@ def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None, policy=None
         return lsj.get_loss_scale_state(state).scale
 
     return _full_step(loss, pattern, post, scale_in), post, tx.init, lsj_scale_of
+
+
+def variant_headroom_taps(loss, pattern):
+    """The fused step with ``HeadroomScale`` (held at ``INIT_SCALE``) fed the taps of the
+    backward pass: the full step differentiates with ``lsj.taps.value_and_grad`` (every
+    ``lsj.tap`` of the workload, one per layer or block, and the loss, tapped by
+    ``lsj.scale_loss``) and passes them to ``apply_gradients``, whose check and range then
+    cover the activation gradients too.
+
+    A post step runs no backward pass, so it has no taps to read: its post step is
+    ``HeadroomScale`` on the given gradients alone (what ``lsj_fused_headroom_ieee`` times);
+    the taps' cost is in the full step."""
+    tx = lsj.loss_scaling(optax.adam(LR), headroom_pinned(), overflow="ieee")
+
+    def full(params, state, x, y):
+        def scaled(p):
+            value = loss(to16(p) if pattern == "fp32grad" else p, x, y)
+            return lsj.scale_loss(value, state), value
+
+        target = params if pattern == "fp32grad" else to16(params)
+        (_, value), grads, taps = lsj.taps.value_and_grad(scaled, has_aux=True)(target)
+        return (*lsj.apply_gradients(tx, grads, state, params, taps=taps), value)
+
+    def post(params, state, grads):
+        return lsj.apply_gradients(tx, grads, state, params)
+
+    return full, post, tx.init, lsj_scale_of
 
 
 def variant_layerwise(loss, pattern):
@@ -231,7 +262,31 @@ VARIANTS |= {
         variant_lsj, fused=False, mode="ieee", policy=headroom_pinned
     ),
     "lsj_layerwise": variant_layerwise,
+    "lsj_headroom_taps": variant_headroom_taps,
 }
+
+# The GPU results' variant names (``--gpu-results``, results_gpu.json) and the variants they
+# run: DynamicScale with the ieee check for the library's two paths.
+GPU_VARIANTS = {
+    "plain": "plain",
+    "lsj_optax": "lsj_optax_ieee",
+    "lsj_fused": "lsj_fused_ieee",
+    "lsj_headroom_taps": "lsj_headroom_taps",
+    "jmp": "jmp",
+    "flax": "flax",
+    "optax_if_finite": "optax_if_finite",
+}
+# The package a variant imports beyond lossscale_jax's own dependencies.
+PACKAGES = {"jmp": "jmp", "flax": "flax"}
+
+
+def missing_package(name: str) -> str | None:
+    """The package variant ``name`` needs and this Python lacks, else None."""
+    package = PACKAGES.get(name)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return package
+    return None
+
 
 PEERS = ("jmp", "flax", "optax_if_finite")
 SLOW_PEERS = ("jmp", "flax")  # their 300-leaf compiles take minutes (--skip-slow-peers)
