@@ -91,6 +91,9 @@ intersphinx_mapping = {
 # Copy buttons on code blocks copy the code without the prompts (>>>, ...) and the printed
 # output of docstring examples.
 copybutton_exclude = ".linenos, .gp, .go"
+# Before/after diffs (getting started) get no copy button: their "+" and "-" markers do not
+# paste as Python; the runnable program after each diff has one.
+copybutton_selector = "div:not(.highlight-diff) > div.highlight pre"
 
 
 html_theme = "furo"

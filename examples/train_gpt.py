@@ -716,66 +716,83 @@ def plot(job: dict[str, Any], path: pathlib.Path) -> None:
     results, rows = job["results"], job["rows"]
     ref_name = CONFIGS[0].name
     columns = [c for c in CONFIGS if c.dtype != F32]
-    fig, axes = plt.subplots(
-        len(SETTINGS) + 1,
-        len(columns),
-        figsize=(4.2 * len(columns), 3.0 * (len(SETTINGS) + 1)),
-        sharex=True,
-        squeeze=False,
-    )
-    for ax in axes[-1, 1:]:  # one scale axis for the whole bottom row
-        ax.sharey(axes[-1, 0])
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for col, config in enumerate(columns):
-        hist, ref = results[config.name]["history"], results[ref_name]["history"]
-        for r, setting in enumerate(SETTINGS):
-            ax = axes[r, col]
-            mine = [i for i, (s, _) in enumerate(rows) if s == setting]
-            for j, i in enumerate(mine):
+    from matplotlib.lines import Line2D
+
+    # Fonts sized for a figure shown about 750 pixels wide (a documentation page); one
+    # legend, below the panels, never over the curves.
+    with plt.rc_context({"font.size": 12, "axes.titlesize": 12, "legend.fontsize": 11}):
+        fig, axes = plt.subplots(
+            len(SETTINGS) + 1,
+            len(columns),
+            figsize=(3.4 * len(columns), 3.0 * (len(SETTINGS) + 1) + 1.2),
+            sharex=True,
+            squeeze=False,
+            layout="constrained",
+        )
+        for ax in axes[-1, 1:]:  # one scale axis for the whole bottom row
+            ax.sharey(axes[-1, 0])
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for col, config in enumerate(columns):
+            hist, ref = results[config.name]["history"], results[ref_name]["history"]
+            for r, setting in enumerate(SETTINGS):
+                ax = axes[r, col]
+                mine = [i for i, (s, _) in enumerate(rows) if s == setting]
+                for j, i in enumerate(mine):
+                    ax.plot(
+                        _smooth(ref[i]["loss"]),
+                        color="0.65",
+                        lw=2.5,
+                        label=f"{ref_name}" if j == 0 else None,
+                    )
+                for j, i in enumerate(mine):
+                    ax.plot(
+                        _smooth(hist[i]["loss"]),
+                        color=colors[j % len(colors)],
+                        lw=1,
+                        label=f"seed {rows[i][1]}",
+                    )
+                ax.set_title(f"{config.name}\n{setting.name}")
+                ax.set_ylim(2.0, 4.8)
+                ax.grid(alpha=0.3)
+                if col == 0:
+                    ax.set_ylabel(f"{setting.name}:\ntrain loss (10-step mean)")
+            ax = axes[-1, col]
+            for i, (setting, seed) in enumerate(rows):
+                style = "-" if setting is SETTINGS[-1] else ":"
+                color = colors[seed % len(colors)]
                 ax.plot(
-                    _smooth(ref[i]["loss"]),
-                    color="0.65",
-                    lw=2.5,
-                    label=f"{ref_name}" if j == 0 else None,
+                    hist[i]["scale"],
+                    style,
+                    color=color,
+                    lw=1.5,
+                    label=f"{setting.name}, seed {seed}",
                 )
-            for j, i in enumerate(mine):
+                skipped = np.flatnonzero(hist[i]["skipped"])
                 ax.plot(
-                    _smooth(hist[i]["loss"]),
-                    color=colors[j % len(colors)],
-                    lw=1,
-                    label=f"seed {rows[i][1]}",
+                    skipped, hist[i]["scale"][skipped], "x", color=color, ms=7, mew=2
                 )
-            ax.set_title(f"{config.name}, {setting.name}", fontsize=10)
-            ax.set_ylim(2.0, 4.8)
+            ax.set_yscale("log", base=2)
+            ax.set_xlabel("step")
             ax.grid(alpha=0.3)
             if col == 0:
-                ax.set_ylabel(f"{setting.name}: train loss\n(10-step running mean)")
-            ax.legend(fontsize=7, loc="upper right")
-        ax = axes[-1, col]
-        for i, (setting, seed) in enumerate(rows):
-            style = "-" if setting is SETTINGS[-1] else ":"
-            color = colors[seed % len(colors)]
-            ax.plot(
-                hist[i]["scale"],
-                style,
-                color=color,
-                lw=1.5,
-                label=f"{setting.name}, seed {seed}",
-            )
-            skipped = np.flatnonzero(hist[i]["skipped"])
-            ax.plot(skipped, hist[i]["scale"][skipped], "x", color=color, ms=7, mew=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if col == 0:
-            ax.set_ylabel("loss scale (x: skipped step)")
-        ax.legend(fontsize=6, loc="best", ncol=2)
-    fig.suptitle(
-        f"char-level GPT on the Python Language Reference, {job['steps']} steps: "
-        "float16 vs float32 (grey), with and without loss scaling"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+                ax.set_ylabel("loss scale")
+        # One legend for every panel: a seed has one colour throughout.
+        key = [
+            Line2D([], [], color="0.65", lw=2.5, label=f"{ref_name}, every seed"),
+            *(
+                Line2D([], [], color=colors[k % len(colors)], label=f"seed {k}")
+                for k in sorted({seed for _, seed in rows})
+            ),
+            Line2D([], [], color="k", ls=":", label=f"scale, {SETTINGS[0].name}"),
+            Line2D([], [], color="k", label=f"scale, {SETTINGS[-1].name}"),
+            Line2D([], [], color="k", ls="", marker="x", mew=2, label="skipped step"),
+        ]
+        fig.legend(handles=key, loc="outside lower center", ncols=4)
+        fig.suptitle(
+            f"char-level GPT on the Python Language Reference, {job['steps']} steps:\n"
+            "float16 vs float32 (grey), with and without loss scaling"
+        )
+        fig.savefig(path, dpi=90)
     plt.close(fig)
 
 

@@ -316,27 +316,29 @@ def plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import Normalize
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    lw = scales["fp16_layerwise"]
-    cmap = plt.get_cmap("viridis")
-    for j, name in enumerate(names):
-        ax.plot(
-            lw[:, j],
-            color=cmap(j / max(len(names) - 1, 1)),
-            lw=1,
-            label=name if j in (0, len(names) - 1) else None,
+    # Fonts sized for a figure shown about 750 pixels wide (a documentation page); the
+    # layers' colours are read off a colour bar and the legend sits below the axes, so
+    # neither covers a curve.
+    with plt.rc_context({"font.size": 13, "legend.fontsize": 12}):
+        fig, ax = plt.subplots(figsize=(9, 6), layout="constrained")
+        lw = scales["fp16_layerwise"]
+        cmap = plt.get_cmap("viridis")
+        for j in range(len(names)):
+            ax.plot(lw[:, j], color=cmap(j / max(len(names) - 1, 1)), lw=1)
+        for config, style in (("fp16_dynamic", "--"), ("fp16_headroom", ":")):
+            ax.plot(scales[config][:, 0], "k" + style, lw=2, label=f"{config} (global)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("log2 scale")
+        ax.set_title("Per-layer scales (fp16_layerwise) and the global scales")
+        bar = fig.colorbar(
+            plt.cm.ScalarMappable(Normalize(0, len(names) - 1), cmap), ax=ax, pad=0.01
         )
-    for config, style in (("fp16_dynamic", "--"), ("fp16_headroom", ":")):
-        ax.plot(scales[config][:, 0], "k" + style, lw=1.5, label=f"{config} (global)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("log2 scale")
-    ax.set_title(
-        "Per-layer scales (input layer: dark, loss: yellow) and the global scales"
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        bar.set_ticks([0, len(names) - 1], labels=[names[0], names[-1]])
+        bar.set_label("per-layer scale: layer, input to loss")
+        fig.legend(loc="outside lower center", ncols=2)
+        fig.savefig(path, dpi=90)
     plt.close(fig)
 
 

@@ -28,7 +28,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       steps it is ``overflow_rate`` (the mean so far); after that an
       exponential moving average of the overflow flag with weight 1/2000
       (a step's weight halves in about 1400 steps), started from that mean.
-      Alert on it mid-run: keep it under 0.5% (0.1% for a large global batch);
+      Alert on it mid-run: keep it under 0.5% (0.1% for a large global batch),
+      the guideline of Huawei's Ascend (CANN) mixed-precision training guide;
     - when the state keeps a per-leaf overflow record (``loss_scaling``'s
       ``attribution``, on by default): ``overflow_leaves`` (int32, how many
       gradient leaves overflowed at the last step) and ``first_overflow_leaf``

@@ -12,6 +12,8 @@ import numpy as np
 
 # float16: smallest subnormal 2^-24, smallest normal 2^-14, largest finite 65504.
 _SUBNORMAL, _NORMAL, _CEILING = -24.0, -14.0, math.log2(65504.0)
+# Characters per line of a panel's title: longer titles wrap rather than run off the figure.
+_TITLE_WIDTH = 100
 
 
 def _short(path: str) -> str:
@@ -88,7 +90,8 @@ def plot(
     top.set_ylabel("fraction of entries")
     verdict = textwrap.fill(f"model: {diagnosis.verdict}", 95)
     top.set_title(f"Gradients against float16's range\n{verdict}", fontsize=10, loc="left")
-    top.legend(fontsize=8, loc="upper left", ncols=2)
+    # Below the panels, not over the histogram: a legend inside would cover data.
+    fig.legend(*top.get_legend_handles_labels(), fontsize=8, loc="outside lower center", ncols=3)
 
     # Per leaf: min..max (thin) and 5th..95th percentile (thick), unscaled and shifted.
     _regions(bottom, lo, hi, legend=False)
@@ -112,8 +115,11 @@ def plot(
     bottom.set_xlabel("log2 |g|" if not taps else "")
     more = f" (first {len(drawn)} of {len(leaves)})" if len(drawn) < len(leaves) else ""
     bottom.set_title(
-        f"per leaf{more}: gray unscaled, blue x {_scale_label(shift_scale)}; "
-        "thin min-max, thick 5-95%",
+        textwrap.fill(
+            f"per leaf{more}: gray unscaled, blue x {_scale_label(shift_scale)}; "
+            "thin min-max, thick 5-95%",
+            _TITLE_WIDTH,
+        ),
         fontsize=9,
         loc="left",
     )
@@ -156,9 +162,12 @@ def _activations(ax: Any, taps: tuple, shift: float, shift_scale: float, lo: flo
     ax.set_ylim(-0.7, n - 0.3)
     ax.set_xlabel("log2 |x| (activations) and log2 |g| (their gradients)")
     ax.set_title(
-        "activations in network order: max (orange; red x: leaves float16); their "
-        f"gradients' max unscaled (gray), x {_scale_label(shift_scale)} (blue), "
-        "% below 2^-14",
+        textwrap.fill(
+            "activations in network order: max (orange; red x: leaves float16); their "
+            f"gradients' max unscaled (gray), x {_scale_label(shift_scale)} (blue), "
+            "% below 2^-14",
+            _TITLE_WIDTH,
+        ),
         fontsize=9,
         loc="left",
     )

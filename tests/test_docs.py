@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/*.md runs, in order, one namespace per file.
+"""Every ```python block of README.md and docs/*.md runs, in order, one namespace per file;
+the troubleshooting page's entries also run each on its own setup.
 
 A ```diff block shows a program before and after a change (lines starting ``-`` are only in
 the first, ``+`` only in the second, `` `` in both): both programs run, each on its own.
@@ -66,3 +67,20 @@ def test_diff_blocks_run_before_and_after(page, index):
             exec(compile(program, name, "exec"), {"__name__": f"docs_{page.stem}_diff"})
         except Exception as e:  # pragma: no cover - the message is the point
             raise AssertionError(f"{name} failed: {e!r}\n{program}") from e
+
+
+# Pages whose entries a reader copies one at a time: each block after the first runs on the
+# first block (the page's shared setup) alone, not on what the blocks before it left behind.
+SELF_CONTAINED = [ROOT / "docs" / "faq.md"]
+
+
+@pytest.mark.parametrize("page", SELF_CONTAINED, ids=lambda p: p.name)
+def test_each_entry_runs_on_the_shared_setup_alone(page):
+    setup, *entries = python_blocks(page)
+    for i, block in enumerate(entries, start=1):
+        namespace: dict = {"__name__": f"docs_{page.stem}_entry"}
+        exec(compile(setup, f"{page.name}[block 0]", "exec"), namespace)
+        try:
+            exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)
+        except Exception as e:  # pragma: no cover - the message is the point
+            raise AssertionError(f"{page.name} block {i} failed on the setup alone: {e!r}") from e
