@@ -38,7 +38,7 @@ from .harness import (
     run_children,
     run_here,
 )
-from .report import DOCS, HEADLINE, gpu_markdown, gpu_results, markdown, targets, update_docs
+from .report import HEADLINE, gpu_markdown, gpu_results, markdown, targets, update_docs
 from .variants import DEFAULT_VARIANTS, GPU_VARIANTS, VARIANTS, missing_package
 from .workloads import DEFAULT_CASES, GPU_CASES, QUICK_CASES, check_case
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         saved = json.loads((Path(args.out) / "results.json").read_text())
         (Path(args.out) / "results.md").write_text(markdown(saved["rows"], saved["meta"]))
         if Path(args.out).resolve() == BENCHMARKS:
-            log(f"updated {DOCS}: {update_docs(saved['rows'], saved['meta'])}")
+            log(f"updated the docs' blocks: {update_docs(saved['rows'], saved['meta'])}")
         return saved["rows"]
 
     if args.child:  # one allocator, in this process, rows to a file
@@ -203,10 +203,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "check_report": report,
         "compile_report": compiles,
     }
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "results.md").write_text(markdown(rows, meta))
-    if not args.quick and out.resolve() == BENCHMARKS and set(HEADLINE) <= set(cases):
-        log(f"updated {DOCS}: {update_docs(rows, meta)}")
+    backend = jax.devices()[0].platform
+    stem = "results"
+    if backend != "cpu" and out.resolve() == BENCHMARKS:
+        # The committed results.json/.md and the docs' tables are the CPU run's: a run on an
+        # accelerator writes beside them (--gpu-results is the GPU table's own format).
+        stem = f"results_{backend}_cpu_format"
+        log(f"not a CPU run ({backend}): writing {stem}.json/.md, the CPU results untouched")
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text(markdown(rows, meta))
+    if (
+        stem == "results"
+        and not args.quick
+        and out.resolve() == BENCHMARKS
+        and set(HEADLINE) <= set(cases)
+    ):
+        log(f"updated the docs' blocks: {update_docs(rows, meta)}")
     log("\nTarget by target:")
     for t, m, ok in targets(rows, allocators):
         log(f"  [{ok.strip('*'):7s}] {t}: {m}")

@@ -14,6 +14,7 @@ from .variants import GPU_VARIANTS, PEERS
 from .workloads import DEFAULT_CASES
 
 DOCS = Path(__file__).resolve().parent.parent.parent / "docs" / "performance.md"
+DOC_PAGES = (DOCS, DOCS.parent / "benchmarks.md")
 
 # (label, variants, step, targets apply to): ratio bars on the headline cases.
 RATIO_TARGETS = (
@@ -253,7 +254,18 @@ def headline(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     else f"{r['ratio']:.2f} ({r['ratio_lo']:.2f}-{r['ratio_hi']:.2f})"
                 )
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_block(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The target-by-target check docs/benchmarks.md quotes, from the same rows."""
+    rows = latency(rows)
+    allocs = list(dict.fromkeys(r["allocator"] for r in rows))
     checks = targets(rows, allocs)
+    lines = [
+        f"Quoted from `benchmarks/results.md` (written by the same run): "
+        f"`{meta['command'].strip()}`, {meta['machine']}."
+    ]
     if checks:
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {t} | {m} | {ok} |" for t, m, ok in checks]
@@ -296,12 +308,23 @@ def compile_table(report: list[dict[str, Any]] | None) -> str:
     return "\n".join(lines)
 
 
-def update_docs(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path = DOCS) -> list[str]:
-    """Rewrites the marked blocks of docs/performance.md; returns the blocks rewritten."""
+def update_docs(
+    rows: list[dict[str, Any]], meta: dict[str, Any], path: Path | tuple[Path, ...] = DOC_PAGES
+) -> list[str]:
+    """Rewrites the marked blocks of docs/performance.md (the summary tables) and
+    docs/benchmarks.md (targets, the check's formulations, compile time), wherever their
+    markers are; returns the blocks rewritten."""
+    done: list[str] = []
+    for page in (path,) if isinstance(path, Path) else path:
+        done += _update_page(rows, meta, page)
+    return done
+
+
+def _update_page(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> list[str]:
     if not path.exists():
         return []
     text, done = path.read_text(), []
-    blocks = {"headline": headline(rows, meta)}
+    blocks = {"headline": headline(rows, meta), "targets": targets_block(rows, meta)}
     if meta.get("check_report"):
         blocks["check"] = (
             f"Quoted from `benchmarks/results.md` (same run as above, {max(meta['rounds'], 5)} "
