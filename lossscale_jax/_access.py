@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from lossscale_jax import _loss_note
 from lossscale_jax._check import at_least_float32
 from lossscale_jax._nesting import locate
 from lossscale_jax._state import LossScaleState, is_loss_scale_state
@@ -194,7 +195,10 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
     Inside ``lsj.taps.value_and_grad`` (or ``lsj.taps.recording``) the loss is
     tapped first, as ``"loss"``: its cotangent is the scale itself, in the loss's
     dtype, so a float16 loss shows the ceiling (2**16 overflows it) that no
-    parameter gradient shows. Elsewhere nothing is added to the program.
+    parameter gradient shows. Elsewhere nothing is added to the program, and the
+    update of the same step, given the same state, still learns the loss's dtype
+    (a policy that measures the range, ``HeadroomScale``, keeps room for that
+    ceiling without taps).
 
     Args:
       loss: a floating scalar (the loss to differentiate).
@@ -230,5 +234,6 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
             f"loss must be a scalar, got shape {loss.shape}; reduce it (e.g. mean) first."
         )
     dtype = at_least_float32(loss.dtype)
+    _loss_note.note(scale, loss.dtype)  # the update of this step reads it (HeadroomScale)
     loss = jnp.asarray(tap_array(loss, "loss"))  # the identity unless taps are recorded
     return loss.astype(dtype) * scale.astype(dtype)

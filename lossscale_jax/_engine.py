@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale_jax import _check, _devices, _skip, stuck
+from lossscale_jax import _check, _devices, _loss_note, _skip, stuck
 from lossscale_jax._state import LossScaleState
 from lossscale_jax._tap_stats import WIDTH, TapStats
 from lossscale_jax._unscale import scale_is_bad, unscale_tree
@@ -136,6 +136,8 @@ class Engine:
           if taps:                                    # the activation gradients' statistics
               found = found or taps.overflow(mode)   # an inf/nan in a tapped cotangent
               amax = max(amax, taps.range_fraction(scale))   # each against its dtype's max
+          if measured and no loss tap and scale_loss saw a float16 loss with this scale:
+              found, amax: as the loss's tap would say (its cotangent is the scale itself)
           found, amax, flags = (any, max, any) over axis_name       # one all-reduce
             (flags travel in it with attribution="reduced", or when reduce_flags)
 
@@ -153,6 +155,12 @@ class Engine:
         found = jnp.logical_or(jnp.any(flags), scale_is_bad(scale))
         if taps is not None:
             found, amax = self._with_taps(taps, scale, found, amax)
+        if amax is not None and (taps is None or "loss" not in taps.names):
+            # No loss tap: what it would have said, from the dtype scale_loss saw (_loss_note).
+            loss_dtype = _loss_note.loss_dtype(scale)
+            if loss_dtype is not None and loss_dtype != np.float32:
+                over, fraction = _loss_note.loss_statistics(scale, loss_dtype)
+                found, amax = jnp.logical_or(found, over), jnp.maximum(amax, fraction)
         if record is not None and record.shape[-1:] != flags.shape:
             raise StructureError(
                 f"the gradients have {flags.shape[0]} leaves but the optimizer state's "

@@ -393,7 +393,9 @@ def test_float16_loss_model_with_taps_meets_the_targets():
     HeadroomScale skips at most DynamicScale(growth_interval=500)'s steps and runs at least 95%
     of its steps within 3 octaves of the ceiling, measured every step by an independent probe
     (the largest power of two whose float16 backward stays finite); fed the parameter
-    gradients only, it does not."""
+    gradients only (no taps), it does too: scale_loss notes the float16 loss for the update,
+    which keeps the room the loss's tap would (test_a_float16_loss_without_taps_... shows the
+    run without that note failing)."""
     exp = load_script("experiments/headroom/float16_loss.py")
     probe = jnp.arange(10, 21, dtype=jnp.float32)  # the ceiling is 2^15 here; 2^10..2^20
     rows = {
@@ -408,4 +410,49 @@ def test_float16_loss_model_with_taps_meets_the_targets():
     assert taps["ceiling_min_max"] == [15.0, 15.0]
     assert taps["skipped"] <= dyn["skipped"], rows
     assert taps["within_3_octaves"] >= 0.95, rows
-    assert blind["skipped"] > dyn["skipped"] and blind["within_3_octaves"] < 0.95, rows
+    assert blind["skipped"] <= dyn["skipped"] and blind["within_3_octaves"] >= 0.95, rows
+
+
+def _float16_loss_run(use_taps: bool, steps: int = 40) -> tuple[list[float], list[bool]]:
+    """HeadroomScale on a float16 loss whose parameter gradients show room far above 2**16."""
+    params = {"w": jnp.full((4,), 0.01)}
+    x = jnp.full((4,), 1e-3, jnp.float16)
+    tx = lsj.loss_scaling(optax.sgd(0.1), lsj.HeadroomScale(init_scale=2.0**4))
+
+    @jax.jit
+    def step(params, state):
+        p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
+
+        def scaled(p):
+            return lsj.scale_loss(jnp.sum(p["w"] * x), state)  # a float16 loss
+
+        if use_taps:
+            _, grads, taps = lsj.taps.value_and_grad(scaled)(p16)
+            updates, state = tx.update(grads, state, params, taps=taps)
+        else:
+            updates, state = tx.update(jax.grad(scaled)(p16), state, params)
+        return optax.apply_updates(params, updates), state
+
+    state, scales, skipped = tx.init(params), [], []
+    for _ in range(steps):
+        params, state = step(params, state)
+        scales.append(float(state.loss_scale.scale))
+        skipped.append(bool(state.loss_scale.last_skipped))
+    return scales, skipped
+
+
+@pytest.mark.slow
+def test_a_float16_loss_without_taps_gets_the_loss_taps_room(monkeypatch):
+    # The loss's cotangent is the scale itself: 2**16 overflows a float16 loss. scale_loss
+    # notes the loss's dtype for the update of the same step, so HeadroomScale without taps
+    # follows the run with the loss's tap, step for step.
+    with_taps = _float16_loss_run(True)
+    assert _float16_loss_run(False) == with_taps
+    assert max(with_taps[0]) < 2.0**16 and not any(with_taps[1])
+    # Without the note (what a step without taps saw before): the scale climbs into the
+    # ceiling, overflows and skips. That is what the note prevents.
+    from lossscale_jax import _loss_note
+
+    monkeypatch.setattr(_loss_note, "note", lambda scale, dtype: None)
+    scales, skipped = _float16_loss_run(False)
+    assert max(scales) > 2.0**16 and any(skipped)
