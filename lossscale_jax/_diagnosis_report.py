@@ -55,6 +55,11 @@ class LeafDiagnosis:
       verdict: ``"float16 needs no scaling here"``, ``"scale needed"``,
         ``"underflows at every safe scale: keep it in float32"`` or ``"this
         layer overflows at any scale: keep it in float32"``.
+      subnormal: per scale, the fraction of the nonzero entries that are deep
+        in float16's subnormals (nonzero, below 2**-17: 8 significant bits or
+        fewer kept, fewer than bfloat16 keeps; a relative error above 2**-9).
+      subnormal_unscaled: ``subnormal`` at scale 1.
+      subnormal_at_scale: ``subnormal`` at the scale in use.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -80,6 +85,9 @@ class LeafDiagnosis:
     overflow_at_scale: float
     log2_histogram: np.ndarray
     verdict: str
+    subnormal: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    subnormal_unscaled: float = 0.0
+    subnormal_at_scale: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +103,9 @@ class Diagnosis:
       overflow: per scale, the fraction of the model's entries that overflow.
       init_scale_range: ``(lowest, highest)``: the largest scale with no
         overflow (all smaller scales tried overflow-free too) and the smallest
-        whose underflow is within ``tolerance`` of the least any overflow-free
-        scale reaches (its floor); ``None`` when every scale overflows.
+        whose loss (entries underflowing to zero plus entries left subnormal)
+        is within ``tolerance`` of the least any overflow-free scale reaches;
+        ``None`` when every scale overflows.
       recommended_scale: the power of two in the middle of
         ``init_scale_range`` (in log2), headroom both ways; ``None`` when there
         is no range.
@@ -111,6 +120,9 @@ class Diagnosis:
       taps: the localizer's rows, one ``TapDiagnosis`` per tap of the model (Flax
         modules, ``lsj.tap`` calls, the loss through ``scale_loss``) in forward
         order; empty for a model without taps.
+      subnormal: per scale, the fraction of the model's nonzero reference
+        entries deep in float16's subnormals (nonzero, below 2**-17: 8 significant
+        bits or fewer).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -137,14 +149,17 @@ class Diagnosis:
     num_batches: int
     tolerance: float
     taps: tuple[TapDiagnosis, ...] = ()
+    subnormal: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     def table(self) -> str:
         """The diagnosis as a text table: one row per leaf, then the model's verdict.
 
         Columns: the leaf, its largest and smallest nonzero ``|g|`` (float32
         reference), the fraction of its entries that underflow to zero in
-        float16 without scaling (``underflow@1``) and at the scale in use,
-        the fraction that overflows at the scale in use, and the verdict.
+        float16 (``zero@1``, without scaling) and that are left deep in its
+        subnormals (``subnormal@1``: below 2**-17, 8 significant bits or fewer), the same at the
+        scale in use, the fraction that overflows at the scale in use, and the
+        verdict.
 
         Returns:
           The table, ready to print.
@@ -159,8 +174,8 @@ class Diagnosis:
           model: float16 needs no scaling here
         """
         at = _fmt_scale(self.scale)
-        head = ["leaf", "shape", "max|g|", "min|g|>0", "underflow@1", f"underflow@{at}"]
-        head += [f"overflow@{at}", "verdict"]
+        head = ["leaf", "shape", "max|g|", "min|g|>0", "zero@1", "subnormal@1"]
+        head += [f"zero@{at}", f"subnormal@{at}", f"overflow@{at}", "verdict"]
         rows = [
             [
                 leaf.path,
@@ -168,14 +183,16 @@ class Diagnosis:
                 f"{leaf.max_abs:.2e}",
                 f"{leaf.min_abs:.2e}",
                 pct(leaf.underflow_unscaled),
+                pct(leaf.subnormal_unscaled),
                 pct(leaf.underflow_at_scale),
+                pct(leaf.subnormal_at_scale),
                 pct(leaf.overflow_at_scale),
                 leaf.verdict,
             ]
             for leaf in self.leaves
         ]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        right = {2, 3, 4, 5, 6}
+        right = {2, 3, 4, 5, 6, 7, 8}
 
         def line(cells: list[str]) -> str:
             return "  ".join(
@@ -191,9 +208,13 @@ class Diagnosis:
             line(["-" * w for w in widths]),
             *[line(r) for r in rows],
             "",
-            f"model: underflow {pct(self.underflow[i1])} without scaling, "
-            f"floor {pct(self.underflow_floor)}; at {at}: underflow "
-            f"{pct(_at(self, self.underflow))}, overflow {pct(_at(self, self.overflow))}",
+            f"model: underflow {pct(self.underflow[i1])} to zero and "
+            f"{pct(self.subnormal[i1])} subnormal without scaling, floor "
+            f"{pct(self.underflow_floor)}; at {at}: underflow {pct(_at(self, self.underflow))}, "
+            f"subnormal {pct(_at(self, self.subnormal))}, "
+            f"overflow {pct(_at(self, self.overflow))}",
+            "(zero: the entry is lost; subnormal: below 2^-17, kept with 8 significant bits "
+            "or fewer)",
         ]
         if self.init_scale_range is not None:
             lo, hi = self.init_scale_range
@@ -268,12 +289,19 @@ def summarize(paths, shapes, results, grid, scale, tolerance, print_table) -> Di
     hist = np.sum([r[5] for r in results], axis=0).astype(np.int64)
     under = np.sum([r[6] for r in results], axis=0).astype(np.int64)  # [scales, leaves]
     over = np.sum([r[7] for r in results], axis=0).astype(np.int64)
+    sub = np.sum([r[8] for r in results], axis=0).astype(np.int64)
     sizes = np.asarray([math.prod(s) for s in shapes], np.int64) * len(results)
 
     leaf_under = under / np.maximum(nonzero, 1)
     leaf_over = over / np.maximum(sizes, 1)
     model_under = under.sum(axis=1) / max(int(nonzero.sum()), 1)
     model_over = over.sum(axis=1) / max(int(sizes.sum()), 1)
+    leaf_sub = sub / np.maximum(nonzero, 1)
+    model_sub = sub.sum(axis=1) / max(int(nonzero.sum()), 1)
+    # Zeros lose an entry, subnormals keep it with fewer significant bits: the range's lower
+    # end is where the entries that matter are normal floats.
+    model_lost = model_under + model_sub
+    leaf_lost = leaf_under + leaf_sub
 
     safe = np.cumprod(model_over == 0).astype(bool)  # no overflow here nor at any smaller scale
     i1 = int(np.searchsorted(grid, 1.0))
@@ -281,21 +309,23 @@ def summarize(paths, shapes, results, grid, scale, tolerance, print_table) -> Di
     if safe.any():
         top = int(np.nonzero(safe)[0][-1])
         floor = float(model_under[: top + 1].min())
-        bottom = int(np.nonzero(model_under[: top + 1] <= floor + tolerance)[0][0])
+        lost_floor = float(model_lost[: top + 1].min())
+        bottom = int(np.nonzero(model_lost[: top + 1] <= lost_floor + tolerance)[0][0])
         scale_range = (float(grid[bottom]), float(grid[top]))
         mid = round((math.log2(scale_range[0]) + math.log2(scale_range[1])) / 2)
         recommended = float(min(max(2.0**mid, scale_range[0]), scale_range[1]))
     else:
         top, floor, scale_range, recommended = None, float(model_under.min()), None, None
+        lost_floor = float(model_lost.min())
 
     leaves = []
     for j, path in enumerate(paths):
         every = bool(np.all(leaf_over[:, j] > 0))
         if every:
             verdict = OVERFLOWS
-        elif top is not None and leaf_under[top, j] > tolerance:
+        elif top is not None and leaf_lost[top, j] > tolerance:
             verdict = UNDERFLOWS
-        elif leaf_under[i1, j] <= (leaf_under[top, j] if top is not None else 0) + tolerance and (
+        elif leaf_lost[i1, j] <= (leaf_lost[top, j] if top is not None else 0) + tolerance and (
             leaf_over[i1, j] == 0
         ):
             verdict = NO_SCALING
@@ -314,6 +344,9 @@ def summarize(paths, shapes, results, grid, scale, tolerance, print_table) -> Di
                 overflow_at_scale=float(leaf_over[i_scale, j]),
                 log2_histogram=hist[j].copy(),
                 verdict=verdict,
+                subnormal=leaf_sub[:, j].copy(),
+                subnormal_unscaled=float(leaf_sub[i1, j]),
+                subnormal_at_scale=float(leaf_sub[i_scale, j]),
             )
         )
 
@@ -325,7 +358,7 @@ def summarize(paths, shapes, results, grid, scale, tolerance, print_table) -> Di
     elif scale_range is None:
         names = [leaf.path for leaf in leaves if leaf.verdict == OVERFLOWS] or ["(the model)"]
         verdict = f"overflows at every scale tried: keep {', '.join(names)} in float32"
-    elif model_under[i1] <= floor + tolerance and safe[i1]:
+    elif model_lost[i1] <= lost_floor + tolerance and safe[i1]:
         verdict = NO_SCALING
     else:
         lo, hi = scale_range
@@ -349,6 +382,7 @@ def summarize(paths, shapes, results, grid, scale, tolerance, print_table) -> Di
         verdict=verdict,
         num_batches=len(results),
         tolerance=tolerance,
+        subnormal=model_sub,
     )
     if print_table:
         print(diagnosis.table())

@@ -42,6 +42,11 @@ OVERFLOWS, UNDERFLOWS = _report.OVERFLOWS, _report.UNDERFLOWS
 __all__ = ["Diagnosis", "LeafDiagnosis", "TapDiagnosis", "diagnose"]
 
 
+SUBNORMAL_BINADES = 3
+"""An entry this many binades or more below the compute dtype's smallest normal counts as
+lost precision (float16: below 2**-17, 8 significant bits or fewer)."""
+
+
 def _check_scales(scales: Any, scale: float) -> np.ndarray:
     grid = np.asarray(scales, np.float64)
     if grid.ndim != 1 or grid.size == 0:
@@ -87,8 +92,9 @@ def _reference_stats(g32: list[jax.Array]) -> tuple[jax.Array, ...]:
     )
 
 
-def _make_batch_fn(loss_fn: Callable, reference: Callable, treedef, floats, rest, threshold):
+def _make_batch_fn(loss_fn: Callable, reference: Callable, treedef, floats, rest, threshold, low):
     """The jitted per-batch computation: reference statistics, then counts per scale."""
+    tiny = float(jnp.finfo(low).tiny)
 
     def params_of(float_leaves: list, leaves: list) -> Any:
         merged = list(leaves)
@@ -127,10 +133,23 @@ def _make_batch_fn(loss_fn: Callable, reference: Callable, treedef, floats, rest
                 )
                 for g in g16
             ]
-            return jnp.stack(under), jnp.stack(over)
+            # Deep in the compute dtype's subnormals: nonzero, 3 binades or more below its
+            # smallest normal (float16: below 2**-17, 8 significant bits or fewer kept, less
+            # than bfloat16 keeps), and a value that dtype holds (it passed through it).
+            sub = [
+                jnp.sum(
+                    nz
+                    & (g != 0)
+                    & (jnp.abs(g.astype(jnp.float32)) < tiny * 2.0**-SUBNORMAL_BINADES)
+                    & (g == g.astype(low).astype(g.dtype)),
+                    dtype=jnp.int32,
+                )
+                for nz, g in zip(ref_nonzero, g16, strict=True)
+            ]
+            return jnp.stack(under), jnp.stack(over), jnp.stack(sub)
 
-        under, over = jax.lax.map(at_scale, scales)
-        return (loss32, loss16, *_reference_stats(g32), under, over)
+        under, over, sub = jax.lax.map(at_scale, scales)
+        return (loss32, loss16, *_reference_stats(g32), under, over, sub)
 
     return batch_fn
 
@@ -171,12 +190,15 @@ def diagnose(
       g16(S)  = grad(float32(loss_fn(params, batch)) * S)      # float16 backward, S in scales
       nonzero = |g32| > eps(float32) * max|g32|  # per leaf: above float32's rounding noise
       underflow(leaf, S) = mean over nonzero of (g16(S) == 0)
+      subnormal(leaf, S) = mean over nonzero of (0 < |g16(S)| < finfo(compute_dtype).tiny / 8)
+                           # float16: below 2**-17, 8 significant bits or fewer kept
+      lost(S)  = underflow(model, S) + subnormal(model, S)   # zeros, and fewer bits kept
       overflow(leaf, S)  = mean of (not |g16(S)| < finfo(compute_dtype).max)
       highest = the largest S such that no S' <= S overflows (any leaf, any batch)
-      floor   = min of underflow(model, S) over S <= highest
-      lowest  = the smallest S <= highest with underflow(model, S) <= floor + tolerance
+      floor   = min of lost(S) over S <= highest
+      lowest  = the smallest S <= highest with lost(S) <= floor + tolerance
       recommended = 2 ** round((log2 lowest + log2 highest) / 2)
-      verdict = "float16 needs no scaling here"  if underflow(model, 1) <= floor + tolerance
+      verdict = "float16 needs no scaling here"  if lost(1) <= floor + tolerance
                                                  and 1 overflows nothing
                 "scale needed: ..."               if a range exists
                 "... overflows ..."               otherwise
@@ -289,7 +311,7 @@ def diagnose(
                 "reference_fn=, the same loss computed in float32."
             ) from None
 
-    batch_fn = _make_batch_fn(loss_fn, reference, treedef, floats, rest, threshold)
+    batch_fn = _make_batch_fn(loss_fn, reference, treedef, floats, rest, threshold, low)
     float_leaves = [leaves[i] for i in floats]
     other_leaves = [leaves[i] for i in rest]
     scales32 = jnp.asarray(grid, jnp.float32)

@@ -161,11 +161,48 @@ def test_underflowing_model_gets_a_scale_that_removes_the_underflow(capsys):
     assert worst.verdict == "scale needed"
 
 
+def _subnormal_fraction(weight, params, scale):
+    """Over BATCHES, the nonzero reference entries whose float16 gradient is deep in the
+    subnormals (nonzero, below 2**-17: 8 significant bits or fewer), counted from a
+    hand-written float32 loss."""
+    ref32 = mlp_loss(weight, jnp.float32)
+    sub = nonzero = 0
+    for batch in BATCHES:
+        ref = [np.asarray(g) for g in jax.tree_util.tree_leaves(jax.grad(ref32)(params, batch))]
+        low = _float16_grads(mlp_loss(weight), params, batch, scale)
+        for r, g in zip(ref, low, strict=True):
+            nz = np.abs(r) > np.finfo(np.float32).eps * np.abs(r).max()
+            a = np.abs(np.asarray(g, np.float64))
+            sub += int(np.sum(nz & (a > 0) & (a < 2.0**-17)))
+            nonzero += int(np.sum(nz))
+    return sub / nonzero
+
+
+def test_subnormal_entries_count_as_lost_precision():
+    # With a loss weight of 2**-6 nothing underflows to zero, but some entries are deep in
+    # float16's subnormals (few significant bits): the range's lower end is where they are not.
+    params, weight = mlp_params(), 2.0**-6
+    report = lsj.diagnose(mlp_loss(weight), params, BATCHES, scales=SCALES, print_table=False)
+    assert all(leaf.underflow_unscaled == 0 for leaf in report.leaves)
+    i1 = int(np.searchsorted(report.scales, 1.0))
+    want = _subnormal_fraction(weight, params, 1.0)
+    assert want > report.tolerance
+    np.testing.assert_allclose(report.subnormal[i1], want, rtol=1e-12)
+    assert report.verdict.startswith("scale needed: init_scale in [")
+    lo, _ = report.init_scale_range
+    assert lo > 1.0
+    assert _subnormal_fraction(weight, params, lo) <= report.tolerance
+    assert _subnormal_fraction(weight, params, lo / 4) > report.tolerance  # a grid step below
+    table = report.table()
+    assert "subnormal@1" in table and "zero@1" in table
+
+
 def test_model_that_does_not_underflow_says_so():
-    report = lsj.diagnose(mlp_loss(1.0), mlp_params(), BATCHES, scales=SCALES, print_table=False)
+    report = lsj.diagnose(mlp_loss(16.0), mlp_params(), BATCHES, scales=SCALES, print_table=False)
     assert report.verdict == "float16 needs no scaling here"
     assert all(leaf.verdict == "float16 needs no scaling here" for leaf in report.leaves)
     assert all(leaf.underflow_unscaled == 0 for leaf in report.leaves)
+    assert all(leaf.subnormal_unscaled == 0 for leaf in report.leaves)
     # The histogram holds every nonzero reference entry, in the binade of its log2.
     ref = jax.grad(mlp_loss(1.0, jnp.float32))(mlp_params(), BATCHES[0])
     kernel = np.abs(np.asarray(ref["Dense_0"]["kernel"]))
