@@ -208,10 +208,10 @@ class Diagnosis:
             line(["-" * w for w in widths]),
             *[line(r) for r in rows],
             "",
-            f"model: underflow {pct(self.underflow[i1])} to zero and "
-            f"{pct(self.subnormal[i1])} subnormal without scaling, floor "
-            f"{pct(self.underflow_floor)}; at {at}: underflow {pct(_at(self, self.underflow))}, "
-            f"subnormal {pct(_at(self, self.subnormal))}, "
+            f"model: without scaling {pct(self.underflow[i1])} zero and "
+            f"{pct(self.subnormal[i1])} subnormal (floor {pct(self.underflow_floor)} zero);",
+            f"at {at}: {pct(_at(self, self.underflow))} zero, "
+            f"{pct(_at(self, self.subnormal))} subnormal, "
             f"overflow {pct(_at(self, self.overflow))}",
             "(zero: the entry is lost; subnormal: below 2^-17, kept with 8 significant bits "
             "or fewer)",

@@ -324,38 +324,13 @@ class Engine:
         Good branch first: XLA:CPU inserts fewer copies for this order. Under
         ``shard_map`` the branches' outputs are matched in what they vary over.
         """
-        return _skip.choose(_devices.cond, apply, good, _as_good(good, skip, operands), *operands)
+        skip = _skip.as_good(good, skip, operands)  # a skipped step in a good one's dtypes
+        return _skip.choose(_devices.cond, apply, good, skip, *operands)
 
     @staticmethod
     def unscale(grads: Any, scale: jax.Array, params: Any = None) -> Any:
         """``grads / scale`` in float32 at least, in the parameters' dtypes."""
         return unscale_tree(grads, scale, params)  # which validates the scale itself
-
-
-def _as_good(good: Callable, skip: Callable, operands: tuple) -> Callable:
-    """``skip``, its outputs cast to the dtypes of ``good``'s where only the dtype differs.
-
-    An inner transformation may change a state leaf's dtype on its first update, as Optax's
-    Adam does for an integer gradient leaf (its moment starts as the leaf's int32 zeros and
-    comes back float32). Optax takes that; a conditional needs both branches alike, so a
-    skipped step returns the state as it was in the dtype a good step would have given it
-    (the same values: int32 zeros are float32 zeros).
-    """
-    want = jax.eval_shape(good, *operands)
-    have = jax.eval_shape(skip, *operands)
-    if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(have):
-        return skip  # lax.cond names the difference
-    pairs = zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(have), strict=True)
-    if all(w.dtype == h.dtype for w, h in pairs):
-        return skip
-
-    def cast(x: Any, w: Any) -> Any:
-        return x.astype(w.dtype) if x.dtype != w.dtype and x.shape == w.shape else x
-
-    def skip_as_good(*ops: Any) -> Any:
-        return jax.tree_util.tree_map(cast, skip(*ops), want)
-
-    return skip_as_good
 
 
 def skip_updates(shapes: Any) -> Any:

@@ -476,7 +476,7 @@ def test_taps_used_wrongly():
     with pytest.raises(lsj.errors.TapError, match="taps must be the TapStats"):
         tx.update({"w": jnp.ones(2)}, st, taps={"loss": jnp.zeros(3)})
     stacked = jax.tree_util.tree_map(lambda v: jnp.stack([v, v]), sinks)
-    with pytest.raises(lsj.errors.TapError, match="one device's"):
+    with pytest.raises(lsj.errors.TapError, match="each device's own statistics"):
         tx.update({"w": jnp.ones(2)}, st, taps=stacked)
     with pytest.raises(ValueError, match="argnums"):
         lsj.taps.value_and_grad(lambda w: w, argnums=-1)
