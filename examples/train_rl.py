@@ -450,6 +450,18 @@ def lost_entries(g: Any, g32: Any) -> tuple[jax.Array, jax.Array]:
 # The job.
 
 
+def prompt_offsets(seed: int, steps: int, n: int) -> jax.Array:
+    """(steps, PROMPTS) start offsets of the prompts in the ``n`` training characters,
+    alike for every configuration."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, n - PROMPT_LEN, (steps, PROMPTS), np.int32))
+
+
+def sample_keys(seed: int, steps: int) -> jax.Array:
+    """One sampling key per step, alike for every configuration."""
+    return jax.random.split(jax.random.key(seed), steps)
+
+
 def compile_in_parallel(lowered: Sequence[Any], workers: int = 2) -> None:
     """Compiles lowered jitted calls on ``workers`` threads (XLA: one core per call)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -472,12 +484,8 @@ def run(
     vocab = len(chars)
     tokens = jnp.asarray(train)
     vowels = jnp.asarray([c in VOWELS for c in chars], F32)
-    high = len(train) - PROMPT_LEN
-    offsets = [  # per seed: the prompts' offsets, (steps, PROMPTS)
-        jnp.asarray(np.random.default_rng(seed).integers(0, high, (steps, PROMPTS)))
-        for seed in range(seeds)
-    ]
-    keys = [jax.random.split(jax.random.key(seed), steps) for seed in range(seeds)]
+    offsets = [prompt_offsets(seed, steps, len(train)) for seed in range(seeds)]
+    keys = [sample_keys(seed, steps) for seed in range(seeds)]
 
     # Compile every step function (two at a time) while the policy pretrains.
     params0 = jax.eval_shape(
@@ -560,6 +568,7 @@ def run(
         steps=steps,
         seeds=seeds,
         probe_every=probe_every,
+        params=params0,
         pretrain_loss=float(np.mean(np.asarray(pre_losses)[-20:])),
         pretrain_steps=pretrain_steps,
     )
@@ -713,11 +722,15 @@ def plot(job: dict[str, Any], path: pathlib.Path) -> None:
 
     fig, (ax_r, ax_kl) = plt.subplots(1, 2, figsize=(12, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    dashes = ["-", "-", "--", ":"]  # lines that lie on top of each other stay visible
     for i, config in enumerate(CONFIGS):
         hist = job["results"][config.name]
         reward = np.mean([h["reward"] for h in hist], axis=0)
         kl = np.mean([h["kl"] for h in hist], axis=0)
-        style = dict(color=colors[i % len(colors)], lw=1.5, label=config.name)
+        if config.dtype == F32:  # the reference, thick and grey behind the others
+            style = dict(color="0.6", lw=4, label=config.name)
+        else:
+            style = dict(color=colors[i], ls=dashes[i % 4], lw=1.6, label=config.name)
         ax_r.plot(_smooth(reward), **style)
         ax_kl.plot(_smooth(kl), **style)
     ax_r.set_ylabel("reward: share of vowels\n(10-step running mean)")
