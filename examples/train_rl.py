@@ -27,10 +27,10 @@ fine-tuned with GRPO:
   where ``r = exp(logp_train - logp_rollout)`` is the importance ratio between the
   training step and the rollout: one update per rollout, so ``r`` is the mismatch.
 
-Each step's batch (``PROMPTS * GROUP * GEN`` = 2,048 completion tokens) is one
+Each step's batch (``PROMPTS * GROUP * GEN`` = 1,024 completion tokens) is one
 micro-batch of an update of ``UPDATE_TOKENS`` = 2^20 tokens (512 responses of
 2,048 tokens, the size of an RL fine-tuning update of a language model): a token
-mean over the update divides each micro-batch's loss by 512. The job takes one
+mean over the update divides each micro-batch's loss by 1,024. The job takes one
 micro-batch per step and does not accumulate the others (Adam does not depend on
 the gradient's scale, and the clipping threshold is scaled alike); what it
 reproduces is the size of the gradients in each micro-batch's backward pass.
@@ -47,9 +47,13 @@ and sampling keys:
 - ``fp16_headroom``: float16 with ``HeadroomScale()``, fed the taps at every
   block's output and the logits (``lsj.taps``).
 
-The compute dtype runs the matmuls on a copy of the float32 master weights;
+The compute dtype runs the matmuls on a copy of the float32 master weights; each
+matmul sums in float32 and rounds its result to the compute dtype, as a GPU's do;
 LayerNorm statistics and the attention softmax are float32, the logits are cast
-to float32 for the log-softmax, in both paths. The optimizer is
+to float32 for the log-softmax, in both paths. The two paths differ in one kernel,
+the attention: the rollout's is FlashAttention's (the unnormalised weights rounded
+to the compute dtype, the sum divided out at the end), the training step's
+normalises the softmax first. The optimizer is
 ``lsj.loss_scaling(optax.chain(clip_by_global_norm, adamw), policy)``: the
 gradients are unscaled before they are clipped.
 
@@ -722,7 +726,7 @@ def plot(job: dict[str, Any], path: pathlib.Path) -> None:
 
     fig, (ax_r, ax_kl) = plt.subplots(1, 2, figsize=(12, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    dashes = ["-", "-", "--", ":"]  # lines that lie on top of each other stay visible
+    dashes = ["-", "-", "--", ":", "-."]  # lines on top of each other stay visible
     for i, config in enumerate(CONFIGS):
         hist = job["results"][config.name]
         reward = np.mean([h["reward"] for h in hist], axis=0)
@@ -730,7 +734,7 @@ def plot(job: dict[str, Any], path: pathlib.Path) -> None:
         if config.dtype == F32:  # the reference, thick and grey behind the others
             style = dict(color="0.6", lw=4, label=config.name)
         else:
-            style = dict(color=colors[i], ls=dashes[i % 4], lw=1.6, label=config.name)
+            style = dict(color=colors[i], ls=dashes[i % 5], lw=1.6, label=config.name)
         ax_r.plot(_smooth(reward), **style)
         ax_kl.plot(_smooth(kl), **style)
     ax_r.set_ylabel("reward: share of vowels\n(10-step running mean)")
