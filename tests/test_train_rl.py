@@ -220,3 +220,14 @@ def test_bad_flags_are_rejected():
     with pytest.raises(SystemExit):
         ex.parse_args(["--pretrain-steps", "-1"])
     assert ex.parse_args(["--quick"]).pretrain_steps == 0
+
+
+@pytest.mark.slow
+def test_each_jitted_function_compiled_once(job):
+    """One trace per configuration's step and per dtype's rollout, one for the probe's
+    float32 gradient, one per compared dtype for its count: no step retraced."""
+    ex, _, _ = job
+    assert ex.train_step._cache_size() == len(ex.CONFIGS)
+    assert ex.rollout._cache_size() == len({c.dtype for c in ex.CONFIGS})
+    assert ex.reference_gradients._cache_size() == 1
+    assert ex.lost_entries._cache_size() == 2  # bfloat16 and float16 gradients
