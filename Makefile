@@ -60,8 +60,8 @@ docs: $(STAMP)
 
 # What the example scripts print and draw, as the docs show it (docs/examples/*.md and the
 # GPT job's table and plot on docs/validating.md): every example run with its defaults, the
-# outputs written to docs/_static/examples. About five minutes on two CPU cores, most of it
-# the GPT job. Commit the files it changes with the change that changed them.
+# outputs written to docs/_static/examples. About ten minutes on two CPU cores, most of it
+# the GPT job and the RL job. Commit the files it changes with the change that changed them.
 EXAMPLE_OUT := docs/_static/examples
 docs-outputs: $(STAMP)
 	mkdir -p $(EXAMPLE_OUT)
@@ -70,6 +70,7 @@ docs-outputs: $(STAMP)
 	$(BIN)/python examples/train_digits.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
 	$(BIN)/python examples/train_gpt.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
 	$(BIN)/python examples/train_layerwise.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
+	$(BIN)/python examples/train_rl.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
 
 # The docstring examples alone (the test suite runs them too).
 doctest: $(STAMP)
