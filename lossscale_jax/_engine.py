@@ -7,7 +7,7 @@ wrappers) builds an ``Engine`` from its arguments and runs a step as::
   check = engine.check(scaled_grads, loss_scale.scale, record)   # one read, one collective
   check = engine.fold(window, check)                              # accumulation only
   loss_scale, apply = engine.decide(loss_scale, check)            # policy.adjust, on_stuck
-  out = engine.select(apply, good, skip, operands)                # the one lax.cond
+  out = engine.select(apply, good, skip, operands)                # the one decision (_skip)
 
 A front-end adds only what is its own: where the update lands (the Optax updates, the
 parameters), what counts as a step (a call, a window). tests/reference_engine.py is the

@@ -68,6 +68,7 @@ settings.load_profile("ci")
 # (xdist's own reordering, by number of tests, sent the few-test example jobs last). A module
 # missing here only runs later; the order changes no test's outcome.
 LONGEST_FIRST = (
+    "test_train_rl.py",  # 55 s: the RL job's quick run (module fixture)
     "test_train_gpt.py",  # 54 s: the GPT job (module fixture)
     "test_train_digits.py",  # 55 s: the digits job (module fixture)
     "test_performance.py",  # 60 s

@@ -394,7 +394,9 @@ def test_front_end_matches_the_reference(name, policy_name):
 # Not accumulation (k > 1): there XLA:CPU fuses the window's average into the update when both
 # branches are computed and rounds it differently (parameters 1 float32 ulp off the reference,
 # seen with k = 3), so the select formulation is not bit for bit there; no backend uses it.
-@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+# Three policies of different kinds (counters, a measured range, none moving): the
+# formulation selects the same operands whatever the policy wrote into them.
+@pytest.mark.parametrize("policy_name", ["dynamic", "headroom", "static_4"])
 @pytest.mark.parametrize("name", ["optax", "fused", "nnx"])
 def test_select_formulation_matches_the_reference(name, policy_name):
     with _skip.formulation("select"):
