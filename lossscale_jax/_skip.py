@@ -39,6 +39,10 @@ other); a platform not listed gets ``"cond"``."""
 _OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "lossscale_jax_skip_formulation", default=None
 )
+# JAX's trace caches (jit, eval_shape, an inner jit) key on a function and its arguments, not
+# on this override: its value is also set as a user context, which is part of their key, so a
+# step traced under one formulation is never reused under another.
+_TRACE_KEY = jax.make_user_context(None)
 
 
 @contextlib.contextmanager
@@ -48,7 +52,8 @@ def formulation(name: str) -> Iterator[None]:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {name!r}.")
     token = _OVERRIDE.set(name)
     try:
-        yield
+        with _TRACE_KEY(name):
+            yield
     finally:
         _OVERRIDE.reset(token)
 

@@ -424,3 +424,25 @@ def check_front_end(front: FrontEnd, name: str, policy_name: str) -> None:
                 _compare(front.view(carry[m], m), refs[m], f"{name}/{policy_name}/{m} call {t}")
 
     check()
+
+
+def test_the_formulation_is_the_one_asked_for():
+    # The jaxpr, whatever the backend: one cond by default (every platform's table entry), no
+    # cond and a select per output leaf under the select formulation.
+    tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
+    params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+    grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
+
+    def step(g, s, p):
+        return lsj.apply_gradients(tx, g, s, p)
+
+    default = str(jax.make_jaxpr(step)(grads, tx.init(params), params))
+    with _skip.formulation("select"):
+        selected = str(jax.make_jaxpr(step)(grads, tx.init(params), params))
+    assert default.count(" cond[") == 1 and " cond[" not in selected
+    branch_outputs = jax.tree_util.tree_leaves((params, tx.init(params).inner_state))
+    picks = selected.count("_where") + selected.count("select_n")  # jnp.where's, inlined or not
+    assert picks >= len(branch_outputs)
+    with pytest.raises(ValueError, match="formulation must be one of"):
+        with _skip.formulation("where"):
+            pass

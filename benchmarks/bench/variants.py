@@ -11,7 +11,8 @@ Each variant is ``variant(loss, pattern) -> (full, post, init, scale_of)``:
 ``optax.adam`` and ``apply_updates``); ``lsj_optax_*`` is ``tx.update`` + ``apply_updates``,
 ``lsj_fused_*`` is ``lsj.apply_gradients``; ``jmp``, ``flax`` and ``optax_if_finite`` are the
 peers as their documentation has them. Not in the default run: the ``lsj_*_headroom_ieee``
-steps, ``lsj_headroom_taps`` and the prototypes (``prototypes.PROTOTYPES``).
+steps, ``lsj_headroom_taps``, ``lsj_*_select_ieee`` (the skip as a select per leaf, forced) and
+the prototypes (``prototypes.PROTOTYPES``).
 
 ``GPU_VARIANTS`` names the variants of the GPU results (``--gpu-results``); ``missing_package``
 says which variant cannot run here (jmp is an optional dependency).
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 import lossscale_jax as lsj
+from lossscale_jax import _skip  # the skip's formulations, measured one against the other
 
 from .prototypes import PROTOTYPES
 from .workloads import F32, INIT_SCALE, LR, cast_like, to16, value_and_grads
@@ -66,19 +68,26 @@ def headroom_pinned() -> lsj.LossScalePolicy:
     return lsj.HeadroomScale(init_scale=INIT_SCALE, min_scale=INIT_SCALE, max_scale=INIT_SCALE)
 
 
-def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None, policy=None):
+def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None, policy=None, formulation=None):
     """lossscale_jax's step; ``step(tx, grads, state, params)`` replaces it (a prototype's
-    structure), ``policy()`` replaces ``DynamicScale``."""
+    structure), ``policy()`` replaces ``DynamicScale``, ``formulation`` (``"cond"`` or
+    ``"select"``) replaces the skip's formulation the backend would get (``_skip.py``)."""
     policy = lsj.DynamicScale(init_scale=INIT_SCALE) if policy is None else policy()
     tx = lsj.loss_scaling(optax.adam(LR), policy, overflow=mode)
 
-    def post(params, state, grads):
+    def library_post(params, state, grads):
         if step is not None:
             return step(tx, grads, state, params)
         if fused:
             return lsj.apply_gradients(tx, grads, state, params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
+
+    def post(params, state, grads):
+        if formulation is None:
+            return library_post(params, state, grads)
+        with _skip.formulation(formulation):  # read while the step is traced
+            return library_post(params, state, grads)
 
     def scale_in(state):
         return lsj.get_loss_scale_state(state).scale
@@ -263,6 +272,14 @@ VARIANTS |= {
     ),
     "lsj_layerwise": variant_layerwise,
     "lsj_headroom_taps": variant_headroom_taps,
+    # The skip as a select per leaf (the peers' formulation) instead of the lax.cond every
+    # backend takes today: what a GPU measurement needs to choose between them.
+    "lsj_optax_select_ieee": functools.partial(
+        variant_lsj, fused=False, mode="ieee", formulation="select"
+    ),
+    "lsj_fused_select_ieee": functools.partial(
+        variant_lsj, fused=True, mode="ieee", formulation="select"
+    ),
 }
 
 # The GPU results' variant names (``--gpu-results``, results_gpu.json) and the variants they
