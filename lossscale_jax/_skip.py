@@ -63,15 +63,8 @@ def current() -> str | None:
     return _OVERRIDE.get()
 
 
-def select_outputs(
-    cond: Callable[..., Any],
-    pred: jax.Array,
-    true_fun: Callable[..., Any],
-    false_fun: Callable[..., Any],
-    *operands: Any,
-) -> Any:
+def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
     """Both branches, each output leaf picked by ``pred`` (``"select"``)."""
-    del cond
     good = true_fun(*operands)
     skip = false_fun(*operands)
     return jax.tree_util.tree_map(lambda g, s: jnp.where(pred, g, s), good, skip)
@@ -86,7 +79,7 @@ def choose(
 ) -> Any:
     """``true_fun(*operands) if pred else false_fun(*operands)``, in the formulation the
     override or the platform gives; ``cond`` is the conditional to use for ``"cond"``."""
-    impls = {"cond": cond, "select": lambda *a: select_outputs(cond, *a)}
+    impls = {"cond": cond, "select": select_outputs}
     forced = current()
     if forced is not None:
         return impls[forced](pred, true_fun, false_fun, *operands)
