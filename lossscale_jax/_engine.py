@@ -159,8 +159,8 @@ class Engine:
             # No loss tap: what it would have said, from the dtype scale_loss saw (_loss_note).
             loss_dtype = _loss_note.loss_dtype(scale)
             if loss_dtype is not None and loss_dtype != np.float32:
-                over, fraction = _loss_note.loss_statistics(scale, loss_dtype)
-                found, amax = jnp.logical_or(found, over), jnp.maximum(amax, fraction)
+                loss_tap = _loss_note.loss_tap(scale, loss_dtype)
+                found, amax = self._with_taps(loss_tap, scale, found, amax)
         if record is not None and record.shape[-1:] != flags.shape:
             raise StructureError(
                 f"the gradients have {flags.shape[0]} leaves but the optimizer state's "
@@ -317,14 +317,18 @@ class Engine:
         return new, jnp.logical_not(new.last_skipped)
 
     @staticmethod
-    def select(apply: jax.Array, good: Callable, skip: Callable, *operands: Any) -> Any:
+    def select(
+        apply: jax.Array, good: Callable, skip: Callable, *operands: Any, good_shapes: Any = None
+    ) -> Any:
         """``good(*operands)`` if ``apply`` else ``skip(*operands)``: one ``lax.cond``, or a
         select per output leaf where the backend's formulation says so (``_skip``).
 
         Good branch first: XLA:CPU inserts fewer copies for this order. Under
         ``shard_map`` the branches' outputs are matched in what they vary over.
+        ``good_shapes``: ``jax.eval_shape(good, *operands)``, when the caller has it already.
         """
-        skip = _skip.as_good(good, skip, operands)  # a skipped step in a good one's dtypes
+        # A skipped step in a good one's dtypes.
+        skip = _skip.as_good(good, skip, operands, good_shapes)
         return _skip.choose(_devices.cond, apply, good, skip, *operands)
 
     @staticmethod
@@ -359,20 +363,20 @@ def inner_or_skip(
     """``inner_update(grads, inner_state)`` if ``apply``, else ``-0.0`` updates and the
     inner state as it was (e.g. Adam's count unchanged): the Optax path's conditional.
 
-    ``shapes``: the updates' shapes (``jax.eval_shape`` of ``inner_update``), when the
-    caller has them already.
+    ``shapes``: ``jax.eval_shape`` of ``inner_update`` (the updates' and the inner state's),
+    when the caller has them already.
     """
 
     def good(operands: Any) -> Any:
         return inner_update(*operands)
 
     if shapes is None:
-        shapes = jax.eval_shape(good, (grads, inner_state))[0]
+        shapes = jax.eval_shape(good, (grads, inner_state))
 
     def skip(operands: Any) -> Any:
-        return skip_updates(shapes), operands[1]
+        return skip_updates(shapes[0]), operands[1]
 
-    return engine.select(apply, good, skip, (grads, inner_state))
+    return engine.select(apply, good, skip, (grads, inner_state), good_shapes=shapes)
 
 
 class EngineUpdate:

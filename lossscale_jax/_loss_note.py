@@ -7,7 +7,7 @@ and ``HeadroomScale``, which sets the scale from the measured range, would keep 
 that ceiling. So ``scale_loss`` notes the loss's dtype against the scale array it multiplied
 by (while the step is traced: the array, or the tracer, of that step's state), and the engine,
 given that same scale array by the update, reads the note: what the loss's tap would have
-said, computed from the scale alone (:func:`loss_statistics`).
+said, measured on the scale alone (:func:`loss_tap`).
 
 The note is a weak reference to the scale array with the dtype; a few of the latest are kept.
 An update given another array (a state rebuilt between the two calls) finds no note and
@@ -20,8 +20,9 @@ import weakref
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from lossscale_jax._tap_stats import TapStats, measure_backward
 
 _KEEP = 32
 _NOTES: list[tuple[weakref.ref, np.dtype]] = []
@@ -45,12 +46,6 @@ def loss_dtype(scale: Any) -> np.dtype | None:
     return None
 
 
-def loss_statistics(scale: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
-    """``(overflow, range fraction)`` of the loss's cotangent, the scale in ``dtype``: what
-    the loss's tap reports (``TapStats.overflow`` and ``range_fraction``)."""
-    f32 = jnp.float32
-    cotangent = scale.astype(dtype)
-    finite = jnp.isfinite(cotangent)
-    limit = f32(float(jnp.finfo(dtype).max))
-    peak = jnp.where(finite, jnp.abs(cotangent).astype(f32), f32(0.0))
-    return jnp.logical_not(finite), peak / (scale.astype(f32) * limit)
+def loss_tap(scale: jax.Array, dtype: np.dtype) -> TapStats:
+    """The statistics the loss's tap would record: its cotangent is ``scale`` in ``dtype``."""
+    return TapStats(("loss",), (dtype.name,), [measure_backward(scale.astype(dtype))])

@@ -95,16 +95,18 @@ def choose(
     )
 
 
-def as_good(good: Callable, skip: Callable, operands: tuple) -> Callable:
+def as_good(good: Callable, skip: Callable, operands: tuple, want: Any = None) -> Callable:
     """``skip``, its outputs cast to the dtypes of ``good``'s where only the dtype differs.
 
     An inner transformation may change a state leaf's dtype on its first update, as Optax's
     Adam does for an integer gradient leaf (its moment starts as the leaf's int32 zeros and
     comes back float32). Optax takes that; a conditional needs both branches alike, so a
     skipped step returns the state as it was in the dtype a good step would have given it
-    (the same values: int32 zeros are float32 zeros).
+    (the same values: int32 zeros are float32 zeros). ``want``: ``jax.eval_shape(good,
+    *operands)``, when the caller has it already (each trace of the update is work).
     """
-    want = jax.eval_shape(good, *operands)
+    if want is None:
+        want = jax.eval_shape(good, *operands)
     have = jax.eval_shape(skip, *operands)
     if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(have):
         return skip  # lax.cond names the difference

@@ -174,7 +174,7 @@ def loss_scaling_multi_steps(
         def inner_update(g: Any, inner_state: Any) -> Any:
             return inner.update(g, inner_state, params, **extra_args)
 
-        shapes = jax.eval_shape(inner_update, mean_of(acc), state.inner_state)[0]
+        shapes = jax.eval_shape(inner_update, mean_of(acc), state.inner_state)
         window_range = window.amax if window.amax is not None else state.window_range
 
         def finish(acc_tree: Any) -> Any:
@@ -194,7 +194,7 @@ def loss_scaling_multi_steps(
             )
 
         def accumulate(acc_tree: Any) -> Any:
-            return skip_updates(shapes), LossScalingMultiStepsState(
+            return skip_updates(shapes[0]), LossScalingMultiStepsState(
                 loss_scale=state.loss_scale,
                 mini_step=(state.mini_step + 1).astype(jnp.int32),
                 window_overflow=window.overflow,

@@ -324,13 +324,15 @@ def layerwise_scaling(
             return (optax.apply_updates(p, updates) if fused else updates), inner_state
 
         operands = (grads, state.inner_state, params)
-        shapes = None if fused else jax.eval_shape(good, operands)[0]
+        shapes = None if fused else jax.eval_shape(good, operands)
 
         def skip(operands: Any) -> Any:
             _, inner_state, p = operands
-            return (p if fused else skip_updates(shapes)), inner_state
+            if shapes is None:  # the fused step: the parameters as they were
+                return p, inner_state
+            return skip_updates(shapes[0]), inner_state  # built inside the branch: free
 
-        out, inner_state = engine.select(apply, good, skip, operands)
+        out, inner_state = engine.select(apply, good, skip, operands, good_shapes=shapes)
         return out, LayerwiseScalingState(loss_scale, new_layers, inner_state, check.flags)
 
     def window_step(grads: Any, state: Any, params: Any, extra_args: dict) -> Any:
@@ -348,7 +350,7 @@ def layerwise_scaling(
         def inner_update(g: Any, inner_state: Any) -> Any:
             return inner.update(g, inner_state, params, **extra_args)
 
-        shapes = jax.eval_shape(inner_update, mean_of(acc, unscaled, every_k), state.inner_state)[0]
+        shapes = jax.eval_shape(inner_update, mean_of(acc, unscaled, every_k), state.inner_state)
 
         def finish(acc_tree: Any) -> Any:
             loss_scale, new_layers, apply = decide(state, window)
@@ -370,7 +372,7 @@ def layerwise_scaling(
                 acc_tree,
                 window.flags,
             )
-            return skip_updates(shapes), state._replace(window=kept)
+            return skip_updates(shapes[0]), state._replace(window=kept)
 
         return engine.select(win.mini_step >= every_k - 1, finish, accumulate, acc)
 
