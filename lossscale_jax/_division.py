@@ -47,10 +47,10 @@ def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
     down = jnp.float32(-np.inf)
     q_up = jnp.nextafter(q, up)
     q_down = jnp.nextafter(q, down)
-    candidates = [jnp.nextafter(q_down, down), q_down, q, q_up, jnp.nextafter(q_up, up)]
+    others = [jnp.nextafter(q_down, down), q_down, q_up, jnp.nextafter(q_up, up)]
     # The smallest remainder; of two equal ones (the quotient lies half way), the even one.
     best, best_err = q, jnp.abs(_remainder(a, q, n))
-    for c in candidates:
+    for c in others:
         err = jnp.abs(_remainder(a, c, n))
         even = (jax.lax.bitcast_convert_type(c, jnp.uint32) & 1) == 0
         better = (err < best_err) | ((err == best_err) & even)

@@ -232,7 +232,7 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
             if mine != theirs:
                 raise CheckpointError(
                     f"The checkpoint holds the state of lossscale_jax.{theirs}(...) at "
-                    f"{_fmt(prefix[:-1]) or 'its root'!r}; the optimizer state is "
+                    f"{_fmt(prefix[:-1])!r}; the optimizer state is "
                     f"lossscale_jax.{mine}(...)'s. A checkpoint restores into the front-end "
                     f"that saved it: build the optimizer with {theirs}(...) to resume as saved, "
                     f"or restore it into that front-end's state and carry its loss_scale and "

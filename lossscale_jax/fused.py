@@ -75,9 +75,9 @@ def apply_gradients(
       Array([0.8, 0.8, 0.8], dtype=float32)
     """
     built = engine_of(tx)
-    if built is not None and not built.fusable and built.not_fusable_because is not None:
-        raise TypeError(f"{built.not_fusable_because} Got {tx!r}.")
     if built is None or not built.fusable:
+        if built is not None and built.not_fusable_because is not None:
+            raise TypeError(f"{built.not_fusable_because} Got {tx!r}.")
         raise TypeError(
             "tx must be the transformation returned by lossscale_jax.loss_scaling(...) "
             f"itself (not wrapped in optax.chain, MultiSteps, ...), got {tx!r}. Wrapped "

@@ -117,18 +117,25 @@ def _float16_grads(loss_fn, params, batch, scale):
     return [np.asarray(g, np.float32) for g in jax.tree_util.tree_leaves(grads)]
 
 
-def _counts(loss_fn, params, scale):
-    """Per leaf, over BATCHES: (entries nonzero in float32 and zero in float16, nonzero
-    in float32, non-finite in float16), from a hand-written float32 loss."""
-    ref32 = mlp_loss(WEIGHT_SMALL, jnp.float32)
-    out = np.zeros((len(jax.tree_util.tree_leaves(params)), 3), np.int64)
+def _counts(weight, params, scale):
+    """Per leaf, over BATCHES, for the MLP's loss times ``weight``: (entries nonzero in
+    float32 and zero in float16, nonzero in float32, non-finite in float16, nonzero in both
+    but deep in float16's subnormals, below 2**-17), from a hand-written float32 loss."""
+    ref32 = mlp_loss(weight, jnp.float32)
+    out = np.zeros((len(jax.tree_util.tree_leaves(params)), 4), np.int64)
     for batch in BATCHES:
         ref = [np.asarray(g) for g in jax.tree_util.tree_leaves(jax.grad(ref32)(params, batch))]
-        low = _float16_grads(loss_fn, params, batch, scale)
+        low = _float16_grads(mlp_loss(weight), params, batch, scale)
         for j, (r, g) in enumerate(zip(ref, low, strict=True)):
             # Nonzero: above float32's rounding noise relative to the leaf's largest.
             nz = np.abs(r) > np.finfo(np.float32).eps * np.abs(r).max()
-            out[j] += [np.sum(nz & (g == 0)), np.sum(nz), np.sum(~np.isfinite(g))]
+            a = np.abs(g.astype(np.float64))
+            out[j] += [
+                np.sum(nz & (g == 0)),
+                np.sum(nz),
+                np.sum(~np.isfinite(g)),
+                np.sum(nz & (a > 0) & (a < 2.0**-17)),
+            ]
     return out
 
 
@@ -142,8 +149,8 @@ def test_underflowing_model_gets_a_scale_that_removes_the_underflow(capsys):
     assert "scale needed" in table and "['Dense_1']['kernel']" in table
 
     # The numbers at scale 1 are those counted independently.
-    unscaled = _counts(loss_fn, params, 1.0)
-    for leaf, (under, nonzero, bad) in zip(report.leaves, unscaled, strict=True):
+    unscaled = _counts(WEIGHT_SMALL, params, 1.0)
+    for leaf, (under, nonzero, bad, _) in zip(report.leaves, unscaled, strict=True):
         assert leaf.underflow_unscaled == under / nonzero and bad == 0
     assert max(leaf.underflow_unscaled for leaf in report.leaves) > 0.5  # it does underflow
     assert report.verdict.startswith("scale needed: init_scale in [")
@@ -152,7 +159,7 @@ def test_underflowing_model_gets_a_scale_that_removes_the_underflow(capsys):
     assert lo <= report.recommended_scale <= hi and lo > 1.0
     # Used, the recommended scale removes the underflow (down to the floor) and
     # overflows nothing: counted here, not by diagnose.
-    scaled = _counts(loss_fn, params, report.recommended_scale)
+    scaled = _counts(WEIGHT_SMALL, params, report.recommended_scale)
     assert scaled[:, 2].sum() == 0
     assert scaled[:, 0].sum() / scaled[:, 1].sum() <= report.underflow_floor + report.tolerance
     assert scaled[:, 0].sum() < 0.05 * unscaled[:, 0].sum()
@@ -162,20 +169,10 @@ def test_underflowing_model_gets_a_scale_that_removes_the_underflow(capsys):
 
 
 def _subnormal_fraction(weight, params, scale):
-    """Over BATCHES, the nonzero reference entries whose float16 gradient is deep in the
-    subnormals (nonzero, below 2**-17: 8 significant bits or fewer), counted from a
-    hand-written float32 loss."""
-    ref32 = mlp_loss(weight, jnp.float32)
-    sub = nonzero = 0
-    for batch in BATCHES:
-        ref = [np.asarray(g) for g in jax.tree_util.tree_leaves(jax.grad(ref32)(params, batch))]
-        low = _float16_grads(mlp_loss(weight), params, batch, scale)
-        for r, g in zip(ref, low, strict=True):
-            nz = np.abs(r) > np.finfo(np.float32).eps * np.abs(r).max()
-            a = np.abs(np.asarray(g, np.float64))
-            sub += int(np.sum(nz & (a > 0) & (a < 2.0**-17)))
-            nonzero += int(np.sum(nz))
-    return sub / nonzero
+    """Over BATCHES, the share of the nonzero reference entries deep in float16's
+    subnormals (``_counts``' last column)."""
+    counts = _counts(weight, params, scale)
+    return counts[:, 3].sum() / counts[:, 1].sum()
 
 
 def test_subnormal_entries_count_as_lost_precision():

@@ -115,13 +115,15 @@ def default_modes() -> list[str]:
 
 def _available(variants: list[str]) -> tuple[list[str], list[str]]:
     """The variants whose packages are installed, and a line for each one skipped."""
-    skipped = []
+    kept, skipped = [], []
     for name in variants:
         package = missing_package(name)
         if package:
             skipped.append(f"{name} (the package {package} is not installed)")
             log(f"skipping variant {name}: the package {package} is not installed")
-    return [v for v in variants if not missing_package(v)], skipped
+        else:
+            kept.append(name)
+    return kept, skipped
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
