@@ -82,6 +82,7 @@ def switch_policy(opt_state: Any, policy: LossScalePolicy) -> Any:
         # DynamicScale / TolerantDynamicScale: clip(scale, min_scale, max_scale)
         # if the scale moved: growth_count = hysteresis_count = 0
         # kept: the telemetry (total_steps, overflow_steps, skipped_steps), the flags
+        # policy_state: the new policy's (fresh unless the state already holds one like it)
       everything else in opt_state is returned as it is
 
     The growth and hysteresis counters count from the last change of the
@@ -94,7 +95,9 @@ def switch_policy(opt_state: Any, policy: LossScalePolicy) -> Any:
       policy: the policy to continue with.
 
     Returns:
-      ``opt_state`` of the same structure, with the ``LossScaleState`` replaced.
+      ``opt_state`` with the ``LossScaleState`` replaced: the same structure, but for
+      ``policy_state`` when the two policies keep different states of their own (the
+      structure ``policy``'s ``init`` gives, as the rebuilt transformation expects).
 
     Raises:
       errors.NotAPolicyError: (a ``TypeError``) if ``policy`` is not a policy instance.
@@ -112,7 +115,7 @@ def switch_policy(opt_state: Any, policy: LossScalePolicy) -> Any:
       128.0
     """
     policy = check_policy(policy)
-    return set_loss_scale_state(opt_state, policy.conform(get_loss_scale_state(opt_state)))
+    return _put(opt_state, policy.conform(get_loss_scale_state(opt_state)))
 
 
 def _avals(state: LossScaleState) -> list[tuple[str, tuple[int, ...], str]]:
@@ -176,6 +179,11 @@ def set_loss_scale_state(opt_state: Any, loss_scale_state: LossScaleState) -> An
             f"shapes, dtypes): {_avals(loss_scale_state)} vs {_avals(current)}. Build it with "
             "the policy's init() (the compat import functions do)."
         )
+    return _put(opt_state, loss_scale_state)
+
+
+def _put(opt_state: Any, loss_scale_state: LossScaleState) -> Any:
+    """``opt_state`` with its one ``LossScaleState`` replaced, unchecked."""
     if isinstance(opt_state, LossScaleState):
         return loss_scale_state
     return jax.tree_util.tree_map(

@@ -21,6 +21,8 @@ from typing import Any
 from lossscale_jax._state import LossScaleState
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossScaleState))
+POLICY_STATE = "policy_state"
+"""The one field that is a pytree (or ``None``) rather than an array."""
 _MODULE = "flax.serialization"
 
 
@@ -31,23 +33,39 @@ def register(serialization: ModuleType) -> None:
         return {name: serialization.to_state_dict(getattr(state, name)) for name in FIELDS}
 
     def from_state_dict(target: LossScaleState, state: dict[str, Any]) -> LossScaleState:
-        missing = [n for n in FIELDS if n not in state]
+        # A checkpoint from before ``policy_state`` existed lacks it: it restores into a
+        # target whose policy keeps none.
+        missing = [n for n in FIELDS if n not in state and not _optional(n, target)]
         unknown = sorted(set(state) - set(FIELDS))
         if missing or unknown:
             raise ValueError(
                 f"the checkpoint's LossScaleState does not match this version's fields: "
                 f"missing {missing}, unknown {unknown} (at {serialization.current_path()!r})."
             )
+        saved_own = state.get(POLICY_STATE)
+        if (saved_own is None) != (target.policy_state is None):
+            raise ValueError(
+                "the checkpoint's LossScaleState was saved under a policy that keeps "
+                f"{'no' if saved_own is None else 'its own'} policy_state, and the target's "
+                f"policy keeps {'none' if target.policy_state is None else 'one'} (at "
+                f"{serialization.current_path()!r}): restore into a target built with the "
+                "policy that saved it, then lossscale_jax.switch_policy to change policy."
+            )
         return target.replace(
             **{
                 n: serialization.from_state_dict(getattr(target, n), state[n], name=n)
                 for n in FIELDS
+                if n in state
             }
         )
 
     serialization.register_serialization_state(
         LossScaleState, to_state_dict, from_state_dict, override=True
     )
+
+
+def _optional(name: str, target: LossScaleState) -> bool:
+    return name == POLICY_STATE and target.policy_state is None
 
 
 class _RegisteringLoader(importlib.abc.Loader):

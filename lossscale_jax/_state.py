@@ -68,6 +68,13 @@ class LossScaleState(_ChexDataclass):
         measured. Other policies keep 0.
       margin: int32, the octaves ``HeadroomScale`` keeps between the scale and
         the headroom the gradients show. Other policies keep 0.
+      policy_state: the state a policy keeps beside these fields, a pytree of
+        fixed-dtype arrays its ``init`` makes (``compat.fairseq``'s
+        ``tolerance > 0`` keeps its two counters here); ``None`` for a policy
+        that needs none (every policy of ``lossscale_jax.policies``). It is
+        checkpointed and restored with the rest; a policy reads a
+        ``policy_state`` of another structure (a state made by another policy)
+        as a fresh one (see ``keep_policy_state``).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -91,6 +98,7 @@ class LossScaleState(_ChexDataclass):
     recent_overflow_rate: jax.Array
     range_peak: jax.Array
     margin: jax.Array
+    policy_state: Any = None
 
 
 # The horizon of ``recent_overflow_rate``: the mean over all steps for the first
@@ -104,7 +112,7 @@ def zeros_i32() -> jax.Array:
     return jnp.zeros([], jnp.int32)
 
 
-def initial_state(scale: ArrayLike) -> LossScaleState:
+def initial_state(scale: ArrayLike, policy_state: Any = None) -> LossScaleState:
     """A fresh ``LossScaleState`` at ``scale`` with every counter at zero."""
     return LossScaleState(
         scale=jnp.asarray(scale, jnp.float32),
@@ -119,6 +127,37 @@ def initial_state(scale: ArrayLike) -> LossScaleState:
         recent_overflow_rate=jnp.zeros([], jnp.float32),
         range_peak=jnp.zeros([], jnp.float32),
         margin=zeros_i32(),
+        policy_state=policy_state,
+    )
+
+
+def keep_policy_state(state: LossScaleState, fresh: Any) -> LossScaleState:
+    """``state`` with a ``policy_state`` of ``fresh``'s structure, shapes and dtypes.
+
+    Rule::
+
+      if state.policy_state has fresh's tree structure, and each leaf fresh's dtype and
+      the shape leading_axes + fresh's shape:   state, unchanged
+      else:  state.replace(policy_state=fresh, each leaf broadcast to leading_axes)
+
+    ``leading_axes`` is the shape of ``state.scale`` (one value per device under
+    ``jax.pmap``). A policy calls it on the state it is given, so that a state made by
+    another policy (``None`` there, or another policy's counters) starts this policy's
+    own state fresh, as ``init`` would.
+    """
+    lead = tuple(jnp.shape(state.scale))
+    have, want = state.policy_state, fresh
+    have_leaves, have_def = jax.tree_util.tree_flatten(have)
+    want_leaves, want_def = jax.tree_util.tree_flatten(want)
+    if have_def == want_def and all(
+        jnp.shape(h) == lead + tuple(jnp.shape(w)) and jnp.result_type(h) == jnp.result_type(w)
+        for h, w in zip(have_leaves, want_leaves, strict=True)
+    ):
+        return state
+    return state.replace(
+        policy_state=jax.tree_util.tree_map(
+            lambda w: jnp.broadcast_to(jnp.asarray(w), lead + tuple(jnp.shape(w))), want
+        )
     )
 
 

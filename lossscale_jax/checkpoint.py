@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax._flax_serialization import FIELDS
+from lossscale_jax import _checkpoint_policy_state as _policy_state
+from lossscale_jax._flax_serialization import FIELDS, POLICY_STATE
 from lossscale_jax._state import LossScaleState, is_loss_scale_state
 from lossscale_jax.errors import CheckpointError, CheckpointPolicyError, CheckpointVersionError
 from lossscale_jax.policies._base import LossScalePolicy, check_policy
@@ -117,20 +118,27 @@ def _saved_states(tree: Any) -> list[tuple[str, LossScaleState]]:
     if states:
         return states
     for prefix in _loss_scale_prefixes(_leaf_table_paths(tree)):
-        node = tree
-        for name in prefix:
-            node = node[name] if isinstance(node, dict) else node[int(name)]
+        node = _node(tree, prefix)
         values = {n: node[n] for n in FIELDS if n in node}
-        if not all(_is_value(v) for v in values.values()):
+        if not all(_is_value(v) for v in jax.tree_util.tree_leaves(values)):
             raise TypeError(_NO_VALUES)
         states.append((_fmt(prefix), _as_state(values)))
     return states
 
 
+def _node(tree: Any, prefix: tuple[str, ...]) -> Any:
+    for name in prefix:
+        tree = tree[name] if isinstance(tree, dict) else tree[int(name)]
+    return tree
+
+
 def _as_state(values: dict[str, Any]) -> LossScaleState:
     """A ``LossScaleState`` of the saved field values (any leading axes; a field the
-    checkpoint lacks is 0, which ``conform`` reads as nothing measured)."""
-    return LossScaleState(**{n: jnp.asarray(values.get(n, 0)) for n in FIELDS})
+    checkpoint lacks is 0, which ``conform`` reads as nothing measured; a policy's own
+    state is ``None`` if it lacks one)."""
+    own = jax.tree_util.tree_map(jnp.asarray, values.get(POLICY_STATE))
+    arrays = {n: jnp.asarray(values.get(n, 0)) for n in FIELDS if n != POLICY_STATE}
+    return LossScaleState(**arrays, policy_state=own)
 
 
 def _check_policy(tree: Any, policy: LossScalePolicy | None) -> None:
@@ -268,6 +276,9 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
                     f"LossScaleState: missing fields {sorted(mine - theirs)}, unknown fields "
                     f"{sorted(theirs - mine)}."
                 )
+    for prefix in want_ls:
+        if prefix in have_ls:
+            _policy_state.check_policy_state(_fmt(prefix), prefix, want, have)
     missing = [p for p in want if p not in have]
     unexpected = [p for p in have if p not in want]
     if missing or unexpected:
@@ -388,6 +399,10 @@ def restore_orbax(
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     check_checkpoint(target, tree)
-    restored = ckptr.restore(path, target)
+    nodes = [_node(tree, p) for p in _loss_scale_prefixes(_leaf_table_paths(tree))]
+    if _policy_state.saved_before_policy_state(nodes):
+        restored = _policy_state.restore_without_policy_state(ckptr, path, target)
+    else:
+        restored = ckptr.restore(path, target)
     _check_policy(restored, policy)
     return restored

@@ -96,13 +96,68 @@ def test_fairseq_matches_dynamic_loss_scaler(config, raises, pins):
     assert (seen_raise, seen_pinned) == (raises, pins)
 
 
-def test_fairseq_refuses_tolerance_and_names_the_alternative():
-    with pytest.raises(ValueError, match="tolerance > 0 is not supported.*TolerantDynamicScale"):
-        compat.fairseq.DynamicLossScaler(tolerance=0.25)
+def test_fairseq_argument_errors():
+    with pytest.raises(ValueError, match="tolerance must be a finite number"):
+        compat.fairseq.DynamicLossScaler(tolerance=float("inf"))
     with pytest.raises(ValueError, match="scale_window must be an int >= 1"):
         compat.fairseq.DynamicLossScaler(scale_window=0)
     with pytest.raises(TypeError, match="scale_window must be an int"):
         compat.fairseq.DynamicLossScaler(scale_window=2.5)  # type: ignore[arg-type]
+
+
+# tolerance > 0: a backoff only once the overflows since the last backoff reach `tolerance`
+# times the iterations since the last rescale. (module, config)
+TOLERANT = [
+    ("fairseq", dict(init_scale=2.0**10, scale_window=8, tolerance=0.25)),
+    ("fairseq", dict(init_scale=2.0**-2, scale_window=16, tolerance=0.1)),  # raises
+    # fairseq's optimizer tests' config has tolerance 1; here with overflows.
+    ("fairseq", dict(init_scale=8.0, scale_window=3, tolerance=1.0, threshold=2.0)),
+    ("metaseq", dict(init_scale=4.0, scale_window=16, tolerance=0.2)),
+    ("metaseq", dict(init_scale=2.0, scale_window=2, tolerance=0.5)),  # at its minimum
+]
+# A sequence where an overflow comes after 9 good iterations since a rescale: 1 / 10.0 is
+# the float64 0.1 itself, so fairseq backs off at tolerance=0.1 (an exact rational or a
+# float32 comparison could decide otherwise near the threshold; see test_ratio).
+TIE = np.asarray(([False] * 9 + [True]) * 12 + [True] * 6, bool)
+
+
+@pytest.mark.parametrize(
+    ("name", "config"), TOLERANT, ids=[f"{n}-{i}" for i, (n, _) in enumerate(TOLERANT)]
+)
+def test_tolerance_matches_dynamic_loss_scaler(name, config):
+    module = getattr(compat, name)
+    cfg = {"min_loss_scale": 2.0**-5 if name == "metaseq" else 1e-4, **config}
+    policy = module.DynamicLossScaler(**cfg)
+    tolerated = backed_off = ties = 0
+    for seq in [*SEQS, TIE]:
+        ours = run_policy(policy, seq)
+        ref = FairseqDynamicLossScaler(**cfg, metaseq=name == "metaseq")
+        prev = F32(cfg["init_scale"])
+        for t, flag in enumerate(seq):
+            o_before = ref._overflows_since_rescale
+            r_before = ref._iter - ref._last_rescale_iter
+            scale, skipped = ref.step(bool(flag))
+            assert ours.scale[t] == F32(scale), t
+            assert ours.last_skipped[t] == skipped, t
+            # stuck: the step fairseq raises at, or a backoff that left the scale where it was
+            backoff = bool(flag) and ref._overflows_since_rescale == 0
+            want_stuck = ref.raised or (backoff and F32(scale) >= prev)
+            assert ours.stuck[t] == want_stuck, t
+            if ref.raised:  # fairseq stops here; so does the comparison
+                break
+            own = ours.policy_state
+            assert own["iter_since_rescale"][t] == ref._iter - ref._last_rescale_iter, t
+            assert own["overflows_since_rescale"][t] == ref._overflows_since_rescale, t
+            if name == "metaseq":
+                assert ours.hysteresis_count[t] == ref.scale_window, t
+            if flag:
+                tolerated += not backoff
+                backed_off += backoff
+                ties += (o_before + 1) / float(r_before) == cfg["tolerance"]
+            prev = F32(scale)
+    assert tolerated and backed_off  # the rule's two outcomes both happened
+    if cfg["tolerance"] == 0.1:
+        assert ties  # and the float64 tie
 
 
 @pytest.mark.slow  # about 1 s: a checkified step
@@ -155,9 +210,8 @@ def _fairseq_adam(lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
 
 
 # The tests' config: fp16_init_scale=1, fp16_scale_window=1, threshold_loss_scale=1,
-# min_loss_scale=1e-4 (fp16_scale_tolerance=1 too: the step does not overflow, so tolerance
-# never acts; tolerance=0 here, the rule this port holds).
-TEST_CFG = dict(init_scale=1.0, scale_window=1, threshold=1.0, min_loss_scale=1e-4)
+# min_loss_scale=1e-4, fp16_scale_tolerance=1.
+TEST_CFG = dict(init_scale=1.0, scale_window=1, threshold=1.0, min_loss_scale=1e-4, tolerance=1.0)
 
 
 def _l1(params):

@@ -161,7 +161,8 @@ def test_state_dtypes_and_fields():
         "margin": jnp.int32,
     }
     fields = {f.name for f in dataclasses.fields(s)}
-    assert fields == set(expected)
+    assert fields == set(expected) | {"policy_state"}
+    assert s.policy_state is None  # no state of its own (see test_policy_state_*)
     for name, dtype in expected.items():
         value = getattr(s, name)
         assert value.dtype == dtype and value.shape == (), name
@@ -186,15 +187,22 @@ def _distinct_state():
             overflow_steps=jnp.asarray(7, jnp.int32),
             skipped_steps=jnp.asarray(6, jnp.int32),
             recent_overflow_rate=jnp.asarray(0.25, jnp.float32),
+            range_peak=jnp.asarray(0.5, jnp.float32),
+            margin=jnp.asarray(3, jnp.int32),
+            policy_state={"count": jnp.asarray(4, jnp.int32), "peak": jnp.ones(2, jnp.float16)},
         )
     )
 
 
 def _assert_same_state(a, b):
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        assert x.dtype == y.dtype, f.name
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f.name)
+    names = [f.name for f in dataclasses.fields(a)]
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b), strict=True
+    ):
+        assert x.dtype == y.dtype, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+    assert len(jax.tree_util.tree_leaves(a)) == len(names) - 1 + 2  # policy_state: 2 leaves
 
 
 def test_state_round_trips_jit_tree_map_pmap():
@@ -202,7 +210,6 @@ def test_state_round_trips_jit_tree_map_pmap():
     _assert_same_state(jax.jit(lambda x: x)(s), s)
     _assert_same_state(jax.tree_util.tree_map(lambda x: x, s), s)
     leaves, treedef = jax.tree_util.tree_flatten(s)
-    assert len(leaves) == len(dataclasses.fields(s))
     _assert_same_state(jax.tree_util.tree_unflatten(treedef, leaves), s)
     n = jax.local_device_count()
     replicated = jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), s)
@@ -433,3 +440,33 @@ def test_bools_arrays_and_wrong_kinds_are_rejected(make, exc, words):
 def test_traced_hyperparameters_are_rejected():
     with pytest.raises(TypeError, match="init_scale must be a concrete number, got a traced value"):
         jax.jit(lambda s: lsj.DynamicScale(init_scale=s).init().scale)(jnp.float32(8.0))
+
+
+def test_keep_policy_state_keeps_its_own_and_starts_anything_else_fresh():
+    fresh = {"n": jnp.zeros([], jnp.int32)}
+    base = lsj.DynamicScale().init()
+    mine = base.replace(policy_state={"n": jnp.asarray(5, jnp.int32)})
+    assert lsj.policies.keep_policy_state(mine, fresh) is mine
+    others = [
+        base,  # None: another policy's state
+        base.replace(policy_state={"m": jnp.asarray(5, jnp.int32)}),  # other names
+        base.replace(policy_state={"n": jnp.asarray(5, jnp.float32)}),  # other dtype
+        base.replace(policy_state={"n": jnp.ones(3, jnp.int32)}),  # other shape
+    ]
+    for state in others:
+        out = lsj.policies.keep_policy_state(state, fresh)
+        assert int(out.policy_state["n"]) == 0 and out.policy_state["n"].dtype == jnp.int32
+        _assert_fields_kept(out, state)
+    # A state with a leading axis (one value per device, from jax.pmap): fresh per device.
+    stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 4), base)
+    out = lsj.policies.keep_policy_state(stacked, fresh)
+    assert out.policy_state["n"].shape == (4,)
+    assert lsj.policies.keep_policy_state(out, fresh) is out
+    # And a policy that keeps none drops another's.
+    assert lsj.policies.keep_policy_state(mine, None).policy_state is None
+
+
+def _assert_fields_kept(a, b):
+    for f in dataclasses.fields(a):
+        if f.name != "policy_state":
+            np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name), f.name)

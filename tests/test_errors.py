@@ -117,6 +117,12 @@ def restore_another_front_end():
     lsj.restore_flax(target, serialization.to_bytes(saved))
 
 
+def restore_without_the_policys_own_state():
+    tolerant = lsj.compat.fairseq.DynamicLossScaler(tolerance=0.25)
+    saved = lsj.loss_scaling(optax.sgd(0.1), tolerant).init(PARAMS)
+    lsj.restore_flax(STATE, serialization.to_bytes(saved))
+
+
 def policy_without_conform():
     class Mine(lsj.LossScalePolicy):
         def init(self):
@@ -327,6 +333,12 @@ CASES = [
         restore_another_front_end,
         ValueError,
         "The checkpoint holds the state of lossscale_jax.loss_scaling(...)",
+    ),
+    (
+        "checkpoint with another policy's own state",
+        restore_without_the_policys_own_state,
+        lsj.errors.CheckpointPolicyError,
+        "The checkpoint's loss-scale state at 'loss_scale' holds a policy_state of",
     ),
     # ---- issue: nothing bad reaches training in any composition ----
     (
@@ -697,9 +709,9 @@ CASES += [
     ),
     (
         "fairseq tolerance",
-        lambda: compat.fairseq.DynamicLossScaler(tolerance=0.25),
+        lambda: compat.fairseq.DynamicLossScaler(tolerance=float("inf")),
         ValueError,
-        "tolerance > 0 is not supported (got 0.25): fairseq then compares",
+        "tolerance must be a finite number (the fraction of iterations that may overflow",
     ),
     (
         "metaseq fractional factor",

@@ -110,7 +110,9 @@ def test_flax_state_dict_round_trip_keeps_dtypes():
         "recent_overflow_rate",
         "range_peak",
         "margin",
+        "policy_state",
     }
+    assert sd["loss_scale"]["policy_state"] is None  # DynamicScale keeps no state of its own
     assert sd["leaf_overflow"].dtype == np.bool_ and sd["leaf_overflow"].shape == (2,)
     back = lsj.restore_flax(state, sd)
     assert isinstance(back.loss_scale, lsj.LossScaleState)
@@ -212,3 +214,106 @@ def test_a_checkpoint_of_another_front_end_is_named_and_the_way_out_works():
         _, moved = multi.update({"w": jnp.full(3, 8.0)}, moved, params)
     assert int(moved.inner_state[0].count) == 2
     assert int(moved.loss_scale.total_steps) == 2
+
+
+# A policy with state of its own: fairseq's scaler with tolerance > 0 keeps two counters in
+# LossScaleState.policy_state. By hand, with overflows at 1, 2, 7, 8, 9 (o overflows since
+# the last backoff, r iterations since the last rescale, this one counted):
+#   1: o/r = 1/2 < 0.6, tolerated (256)   2: 2/3 >= 0.6, backoff (128)   5: growth (256)
+#   7: 1/2 tolerated (256)   8: 2/3 backoff (128)   9: 1/1 backoff (64)   12: growth (128)
+# With tolerance=0 every overflow backs off: 128, 64, 128 at 5, then 64, 32, 16, 32 at 12.
+FAIRSEQ_TOLERANT = lsj.compat.fairseq.DynamicLossScaler(
+    init_scale=2.0**8, scale_window=3, tolerance=0.6
+)
+
+
+@pytest.mark.slow  # about 4 s: an Orbax save and restore
+def test_a_policys_own_state_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
+    tx = lsj.loss_scaling(optax.adam(1e-2), FAIRSEQ_TOLERANT)
+    step, traces = make_step(tx)
+    start = (PARAMS, tx.init(PARAMS))
+    full = run(step, *start, 0, N_STEPS)
+    save_at = 8  # after the tolerated overflow at 7
+    saved = run(step, *start, 0, save_at)
+    own = saved[1].loss_scale.policy_state
+    assert {k: int(v) for k, v in own.items()} == {
+        "iter_since_rescale": 3,  # the growth at 5, then 6 and 7
+        "overflows_since_rescale": 1,  # the overflow at 7
+    }
+    save_orbax(tmp_path / "ck", saved)
+    for restored in (
+        lsj.restore_orbax(tmp_path / "ck", start, policy=FAIRSEQ_TOLERANT),
+        lsj.restore_flax(start, serialization.to_bytes(saved), policy=FAIRSEQ_TOLERANT),
+    ):
+        assert_bits_equal(restored, saved)
+        assert_bits_equal(run(step, *restored, save_at, N_STEPS), full)
+    assert len(traces) == 1
+    assert float(full[1].loss_scale.scale) == 128.0
+    assert int(full[1].loss_scale.skipped_steps) == 5
+    strict_policy = lsj.compat.fairseq.DynamicLossScaler(init_scale=2.0**8, scale_window=3)
+    strict = lsj.loss_scaling(optax.adam(1e-2), strict_policy)
+    step0, _ = make_step(strict)
+    assert float(run(step0, PARAMS, strict.init(PARAMS), 0, N_STEPS)[1].loss_scale.scale) == 32.0
+
+
+def test_a_policys_own_state_mismatch_is_named(tmp_path):
+    tolerant = lsj.loss_scaling(optax.adam(1e-2), FAIRSEQ_TOLERANT).init(PARAMS)
+    strict_policy = lsj.compat.fairseq.DynamicLossScaler(init_scale=2.0**8, scale_window=3)
+    strict = lsj.loss_scaling(optax.adam(1e-2), strict_policy).init(PARAMS)
+    message = r"holds a policy_state of .*iter_since_rescale int32.*keeps none.*switch_policy"
+    with pytest.raises(lsj.errors.CheckpointPolicyError, match=message):
+        lsj.restore_flax(strict, serialization.to_bytes(tolerant))
+    with pytest.raises(lsj.errors.CheckpointPolicyError, match="holds a policy_state of none"):
+        lsj.check_checkpoint(tolerant, strict)
+    # flax.serialization alone (no check first) refuses it too, naming the field.
+    with pytest.raises(ValueError, match="keeps its own policy_state.*keeps none"):
+        serialization.from_bytes(strict, serialization.to_bytes(tolerant))
+    # The way out the message names: restore as saved, then switch; fresh counters.
+    restored = lsj.switch_policy(
+        lsj.restore_flax(strict, serialization.to_bytes(strict)), FAIRSEQ_TOLERANT
+    )
+    assert_bits_equal(restored, tolerant)
+
+
+def test_a_checkpoint_from_before_policy_state_restores():
+    """A flax state dict saved before the field existed lacks the key: it restores into a
+    target whose policy keeps no state of its own."""
+    state = TXS["adam"]().init(PARAMS)
+    sd = serialization.to_state_dict(state)
+    del sd["loss_scale"]["policy_state"]
+    back = lsj.restore_flax(state, serialization.msgpack_serialize(sd))
+    assert_bits_equal(back, state)
+    target = lsj.loss_scaling(optax.adam(1e-2), FAIRSEQ_TOLERANT).init(PARAMS)
+    with pytest.raises(ValueError, match="policy_state"):
+        lsj.restore_flax(target, serialization.msgpack_serialize(sd))
+
+
+@pytest.mark.slow  # about 2 s: an Orbax save and restore
+def test_an_orbax_checkpoint_from_before_policy_state_restores(tmp_path):
+    """Orbax compares trees node by node, and such a checkpoint has no policy_state node."""
+    import chex
+
+    @chex.dataclass
+    class LossScaleState:  # the state as the release before policy_state saved it
+        scale: jax.Array
+        growth_count: jax.Array
+        hysteresis_count: jax.Array
+        last_overflow: jax.Array
+        last_skipped: jax.Array
+        stuck: jax.Array
+        total_steps: jax.Array
+        overflow_steps: jax.Array
+        skipped_steps: jax.Array
+        recent_overflow_rate: jax.Array
+        range_peak: jax.Array
+        margin: jax.Array
+
+    tx = TXS["chain"]()
+    step, _ = make_step(tx)
+    params, state = run(step, PARAMS, tx.init(PARAMS), 0, SAVE_AT)
+    own = dict(state[0].loss_scale.items())
+    assert own.pop("policy_state") is None
+    old = (state[0]._replace(loss_scale=LossScaleState(**own)),)
+    save_orbax(tmp_path / "old", old)
+    restored = lsj.restore_orbax(tmp_path / "old", tx.init(PARAMS), policy=POLICY)
+    assert_bits_equal(restored, state)

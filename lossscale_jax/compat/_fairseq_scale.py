@@ -1,24 +1,30 @@
 """The scale rule of fairseq's and metaseq's ``DynamicLossScaler`` as one policy.
 
 Re-exported through ``compat.fairseq`` and ``compat.metaseq`` (see their docstrings):
-both grow after ``scale_window`` good steps since the last overflow, back off on every
-overflow (``tolerance=0``), floor a backoff at ``threshold`` and refuse to go below
-``min_loss_scale``. metaseq also doubles (halves) the window with each growth (backoff).
+both grow after ``scale_window`` good steps since the last overflow, back off on an
+overflow (on every one with ``tolerance=0``; with ``tolerance > 0`` once the overflows since
+the last backoff reach ``tolerance`` times the iterations since the last rescale), floor a
+backoff at ``threshold`` and refuse to go below ``min_loss_scale``. metaseq also doubles
+(halves) the window with each growth (backoff).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from lossscale_jax._ratio import RatioThreshold
 from lossscale_jax._state import (
     I32_MAX,
     LossScaleState,
     initial_state,
+    keep_policy_state,
     record_step,
     safe_increment,
     with_scale,
@@ -49,7 +55,7 @@ def check_args(
     threshold: float | None,
     min_loss_scale: float,
     peer: str,
-) -> tuple[float, float, int, float | None, float]:
+) -> tuple[float, float, int, float, float | None, float]:
     """The arguments as Python numbers, or the ``ValueError``/``TypeError`` naming the bad one."""
     init = _number("init_scale", init_scale)
     if not (math.isfinite(float(_F32(init))) and init > 0.0):
@@ -60,14 +66,11 @@ def check_args(
     window = _int("scale_window", scale_window)
     if window < 1:
         raise ValueError(f"scale_window must be an int >= 1, got {scale_window!r}.")
-    if _number("tolerance", tolerance) > 0.0:
+    tol = _number("tolerance", tolerance)
+    if not math.isfinite(tol):
         raise ValueError(
-            f"tolerance > 0 is not supported (got {tolerance!r}): {peer} then compares the "
-            "overflows since the last backoff with the iterations since the last rescale, a "
-            "third counter LossScaleState does not hold. Use tolerance=0 ("
-            f"{peer}'s default: every overflow backs off), or lossscale_jax."
-            "TolerantDynamicScale(overflow_tolerance=...) for a rule that tolerates a "
-            "fraction of overflows."
+            f"tolerance must be a finite number (the fraction of iterations that may overflow "
+            f"before {peer} backs off; 0 backs off on every overflow), got {tolerance!r}."
         )
     if threshold is not None:
         threshold = _number("threshold", threshold)
@@ -76,19 +79,30 @@ def check_args(
     lo = _number("min_loss_scale", min_loss_scale)
     if not (math.isfinite(lo) and lo >= 0.0):
         raise ValueError(f"min_loss_scale must be a finite number >= 0, got {min_loss_scale!r}.")
-    return init, factor, window, threshold, lo
+    return init, factor, window, max(tol, 0.0), threshold, lo
+
+
+_ITERS = "iter_since_rescale"
+_OVERFLOWS = "overflows_since_rescale"
 
 
 @dataclasses.dataclass(frozen=True)
 class FairseqScale(LossScalePolicy):
-    """fairseq's (``metaseq=False``) or metaseq's ``DynamicLossScaler`` rule, ``tolerance=0``.
+    """fairseq's (``metaseq=False``) or metaseq's ``DynamicLossScaler`` rule.
 
-    Rule (one step; float32 scale; ``a`` = good steps since the last overflow)::
+    Rule (one step; float32 scale; ``a`` = good steps since the last overflow; ``r`` =
+    iterations since the last rescale, this one counted; ``o`` = overflows since the last
+    backoff)::
 
       if overflow:                                  # the update is skipped
-          new = scale / scale_factor
-          if threshold is not None: new = max(new, threshold)
-          if metaseq: window = max(window // scale_factor, 1)
+          o += 1
+          backoff = o / float(r) >= tolerance       # float64, as in fairseq; always at 0
+          new = scale
+          if backoff:
+              new = scale / scale_factor
+              if threshold is not None: new = max(new, threshold)
+              if metaseq: window = max(window // scale_factor, 1)
+              o = 0; r = 0                          # a rescale
           if new <= min_loss_scale (fairseq) / new < min_loss_scale (metaseq):
               new = scale                           # fairseq raises FloatingPointError
           scale = new; a = 0
@@ -97,16 +111,23 @@ class FairseqScale(LossScalePolicy):
           if a % window == 0:                       # fairseq: window = scale_window
               scale = scale * scale_factor          # refused if not finite in float32
               if metaseq: window = window * scale_factor
+              r = 0                                 # a rescale (o is kept, as in fairseq)
+      r += 1
 
-    ``stuck`` is set by an overflow that leaves the scale where it was (fairseq's
-    ``FloatingPointError``, metaseq's skip at its minimum, or the scale pinned at
-    ``threshold``). A scale below ``2**-126`` counts as below ``min_loss_scale``.
+    ``stuck`` is set by the overflow fairseq raises ``FloatingPointError`` at, and by a
+    backoff that leaves the scale where it was (metaseq's skip at its minimum, or the
+    scale pinned at ``threshold``). A scale below ``2**-126`` counts as below
+    ``min_loss_scale``. After fairseq's ``FloatingPointError`` (where fairseq stops) the
+    rule goes on as after any overflow.
 
     State: ``growth_count`` holds ``a`` (fairseq: ``a % scale_window``; metaseq: ``a``
     itself, since its window changes); metaseq keeps its window in ``hysteresis_count``
     (a count of 0 or less, as in a state made by another policy, reads as
     ``scale_window``, the window a fresh or reloaded metaseq scaler has). fairseq keeps
-    ``hysteresis_count`` at 0.
+    ``hysteresis_count`` at 0. With ``tolerance > 0``, ``policy_state`` holds ``r`` and
+    ``o`` as ``{"iter_since_rescale", "overflows_since_rescale"}`` (int32; 1 and 0 when
+    fresh, as fairseq starts them); with ``tolerance = 0`` it is ``None`` (the rule needs
+    neither).
     """
 
     init_scale: float = 2.0**15
@@ -115,9 +136,16 @@ class FairseqScale(LossScalePolicy):
     threshold: float | None = None
     min_loss_scale: float = 1e-4
     metaseq: bool = False
+    tolerance: float = 0.0
+
+    def _fresh_own(self) -> dict[str, jax.Array] | None:
+        """The counters ``tolerance > 0`` needs, as a fresh scaler has them."""
+        if self.tolerance <= 0.0:
+            return None
+        return {_ITERS: jnp.ones([], jnp.int32), _OVERFLOWS: jnp.zeros([], jnp.int32)}
 
     def init(self) -> LossScaleState:
-        state = initial_state(self.init_scale)
+        state = initial_state(self.init_scale, self._fresh_own())
         if self.metaseq:
             state = state.replace(hysteresis_count=jnp.asarray(self.scale_window, jnp.int32))
         return state
@@ -129,6 +157,8 @@ class FairseqScale(LossScalePolicy):
         if overflow.shape != ():
             raise ValueError(f"overflow must be a scalar, got shape {overflow.shape}.")
         overflow = overflow.astype(jnp.bool_)
+        state = keep_policy_state(state, self._fresh_own())
+        own: Any = state.policy_state
         f32, i32 = jnp.float32, jnp.int32
         scale = state.scale
         factor = jnp.asarray(self.scale_factor, f32)
@@ -138,9 +168,16 @@ class FairseqScale(LossScalePolicy):
             window = jnp.where(state.hysteresis_count > 0, state.hysteresis_count, window)
 
         # Overflow branch.
+        if own is None:
+            seen = zero  # not kept
+            backoff = jnp.ones([], jnp.bool_)
+        else:
+            seen = safe_increment(jnp.maximum(own[_OVERFLOWS], zero))
+            backoff = RatioThreshold(self.tolerance).at_least(seen, own[_ITERS])
         new = scale / factor
         if self.threshold is not None:
             new = jnp.maximum(new, jnp.asarray(self.threshold, f32))
+        new = jnp.where(backoff, new, scale)
         if self.metaseq:
             too_low = new < jnp.asarray(max(_f32_above(self.min_loss_scale), _TINY), f32)
         else:
@@ -149,8 +186,12 @@ class FairseqScale(LossScalePolicy):
                 new < jnp.asarray(_TINY, f32),
             )
         bad_scale = jnp.where(too_low, scale, new)
+        pinned = jnp.logical_and(backoff, jnp.logical_not(bad_scale < scale))
+        # fairseq raises FloatingPointError at its minimum, whether or not it backed off.
+        stuck = pinned if self.metaseq else jnp.logical_or(pinned, too_low)
         factor_i = int(self.scale_factor)  # metaseq's factor is a whole number (checked)
-        bad_window = jnp.maximum(window // factor_i, 1).astype(i32)
+        halved = jnp.maximum(window // factor_i, 1).astype(i32)
+        bad_window = jnp.where(backoff, halved, window)
 
         # Good branch.
         good = safe_increment(jnp.maximum(state.growth_count, zero))
@@ -168,23 +209,36 @@ class FairseqScale(LossScalePolicy):
             hyst = zero
             good_count = jnp.where(grow, zero, good)
 
+        changes: dict[str, Any] = {}
+        if own is not None:
+            rescaled = jnp.where(overflow, backoff, grow)
+            one = jnp.ones([], i32)
+            changes["policy_state"] = {
+                _ITERS: jnp.where(rescaled, one, safe_increment(own[_ITERS])),
+                _OVERFLOWS: jnp.where(
+                    overflow, jnp.where(backoff, zero, seen), own[_OVERFLOWS]
+                ).astype(i32),
+            }
         new_scale = jnp.where(overflow, bad_scale, good_scale)
         return record_step(
             state,
             overflow,
             overflow,
-            stuck=jnp.logical_and(overflow, jnp.logical_not(bad_scale < scale)),
+            stuck=jnp.logical_and(overflow, stuck),
             scale=new_scale,
             growth_count=jnp.where(overflow, zero, good_count),
             hysteresis_count=hyst,
+            **changes,
         )
 
     def conform(self, state: LossScaleState) -> LossScaleState:
         """``state`` unchanged if its scale is a finite float32 number > 0, else at ``init_scale``.
 
         fairseq and metaseq have no cap and floor the scale only on a backoff, so any
-        such scale is one they can hold.
+        such scale is one they can hold. ``policy_state`` is this policy's (fresh if the
+        state was made by another policy).
         """
+        state = keep_policy_state(state, self._fresh_own())
         scale = state.scale
         ok = jnp.logical_and(jnp.isfinite(scale), scale > 0)
         return with_scale(state, jnp.where(ok, scale, jnp.asarray(self.init_scale, jnp.float32)))

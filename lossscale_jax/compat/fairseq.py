@@ -31,12 +31,19 @@ def DynamicLossScaler(
     Python float scale in fairseq, float32 here)::
 
       if overflow:                                  # OverflowError: the step is skipped
-          new = scale / scale_factor
-          if threshold is not None: new = max(new, threshold)
+          last_overflow_iter = iter
+          overflows_since_rescale += 1
+          pct = overflows_since_rescale / float(iter - last_rescale_iter)
+          new = scale
+          if pct >= tolerance:                      # always, at tolerance=0
+              new = scale / scale_factor
+              if threshold is not None: new = max(new, threshold)
+              last_rescale_iter = iter; overflows_since_rescale = 0
           if new <= min_loss_scale: raise FloatingPointError   # scale kept
           scale = new
       elif (iter - last_overflow_iter) % scale_window == 0:
           scale *= scale_factor
+          last_rescale_iter = iter                  # overflows_since_rescale is kept
       iter += 1
 
     The step fairseq raises ``FloatingPointError`` at has
@@ -45,10 +52,11 @@ def DynamicLossScaler(
     fairseq does (a ``checkify`` error). ``stuck`` is also set by an overflow
     with the scale pinned at ``threshold``, where fairseq goes on skipping.
 
-    ``tolerance > 0`` is refused: fairseq then backs off only when the
-    overflows since the last backoff reach ``tolerance`` times the iterations
-    since the last rescale, a third counter the state does not hold.
-    ``threshold`` is applied in float32; trajectories agree exactly with a
+    With ``tolerance > 0`` the two counters the rule adds are the policy's own
+    state (``state.policy_state``: ``iter_since_rescale``,
+    ``overflows_since_rescale``), checkpointed with the rest; ``pct >= tolerance``
+    is decided as Python decides it in float64 (``1 / 10 >= 0.1`` holds), with
+    integer arithmetic. ``threshold`` is applied in float32; trajectories agree exactly with a
     power-of-two ``scale_factor`` (the default). A growth whose float32 result
     is not finite is refused, and the scale never goes below ``2**-126``.
 
@@ -58,13 +66,14 @@ def DynamicLossScaler(
 
     Args:
       init_scale, scale_factor, scale_window, tolerance, threshold, min_loss_scale:
-        as in fairseq; ``tolerance`` must be 0 (or below: the same rule).
+        as in fairseq (``--fp16-scale-tolerance`` is ``tolerance``; a negative one
+        is the same rule as 0).
 
     Returns:
       A policy for ``lsj.loss_scaling``.
 
     Raises:
-      ValueError: for ``tolerance > 0`` (see above) or an argument out of range.
+      ValueError: for an argument out of range (a non-finite ``tolerance``).
 
     Examples:
       >>> from lossscale_jax import compat
@@ -77,11 +86,18 @@ def DynamicLossScaler(
       (4.0, True)
       >>> float(p.adjust(p.adjust(s, False), False).scale)
       8.0
+      >>> p = compat.fairseq.DynamicLossScaler(init_scale=8.0, tolerance=0.5)
+      >>> s = p.adjust(p.adjust(p.init(), False), True)   # 1 overflow in 2 iterations: back off
+      >>> float(s.scale), {k: int(v) for k, v in s.policy_state.items()}
+      (4.0, {'iter_since_rescale': 1, 'overflows_since_rescale': 0})
+      >>> s = p.adjust(p.adjust(p.adjust(s, False), False), True)   # 1 in 3: tolerated
+      >>> float(s.scale), bool(s.last_skipped), int(s.policy_state["overflows_since_rescale"])
+      (4.0, True, 1)
     """
-    init, factor, window, thr, lo = check_args(
+    init, factor, window, tol, thr, lo = check_args(
         init_scale, scale_factor, scale_window, tolerance, threshold, min_loss_scale, "fairseq"
     )
-    return FairseqScale(init, factor, window, thr, lo, metaseq=False)
+    return FairseqScale(init, factor, window, thr, lo, metaseq=False, tolerance=tol)
 
 
 def import_state(

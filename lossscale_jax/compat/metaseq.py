@@ -31,17 +31,24 @@ def DynamicLossScaler(
     Python float scale in metaseq, float32 here)::
 
       if overflow:                                  # OverflowError: the step is skipped
-          new = scale / scale_factor
-          window = max(int(window / scale_factor), 1)
-          if threshold is not None: new = max(new, threshold)
+          last_overflow_iter = iter
+          overflows_since_rescale += 1
+          pct = overflows_since_rescale / float(iter - last_rescale_iter)
+          new = scale
+          if pct >= tolerance:                      # always, at tolerance=0
+              new = scale / scale_factor
+              window = max(int(window / scale_factor), 1)
+              if threshold is not None: new = max(new, threshold)
+              last_rescale_iter = iter; overflows_since_rescale = 0
           if new < min_loss_scale: new = scale      # no error: keeps skipping
           scale = new
       elif (iter - last_overflow_iter) % window == 0:
           scale *= scale_factor
           window *= scale_factor
+          last_rescale_iter = iter                  # overflows_since_rescale is kept
       iter += 1
 
-    The window is halved by every overflow, also one that leaves the scale at
+    The window is halved by every backoff, also one that leaves the scale at
     its minimum, so the window is a second state: ``hysteresis_count`` holds
     it (see ``metrics``: it is not an overflow count for this policy), and
     ``growth_count`` the good steps since the last overflow. Because the
@@ -51,8 +58,9 @@ def DynamicLossScaler(
     ``metrics(opt_state)["stuck"]``; metaseq goes on skipping, and so does
     ``on_stuck="skip"`` (the default).
 
-    ``tolerance > 0`` is refused (a third counter, as in ``compat.fairseq``);
-    ``scale_factor`` must be a whole number, so the window stays a whole
+    With ``tolerance > 0`` the rule's two counters are the policy's own state
+    (``state.policy_state``, as in ``compat.fairseq``). ``scale_factor`` must be
+    a whole number, so the window stays a whole
     number (metaseq would make it fractional). Trajectories agree exactly
     with a power-of-two ``scale_factor`` (the default); ``threshold`` is
     applied in float32; a growth whose float32 result is not finite is
@@ -68,8 +76,7 @@ def DynamicLossScaler(
       A policy for ``lsj.loss_scaling``.
 
     Raises:
-      ValueError: for ``tolerance > 0``, a fractional ``scale_factor`` or an
-        argument out of range.
+      ValueError: for a fractional ``scale_factor`` or an argument out of range.
 
     Examples:
       >>> from lossscale_jax import compat
@@ -83,7 +90,7 @@ def DynamicLossScaler(
       >>> float(s.scale), int(s.hysteresis_count)
       (4.0, 2)
     """
-    init, factor, window, thr, lo = check_args(
+    init, factor, window, tol, thr, lo = check_args(
         init_scale, scale_factor, scale_window, tolerance, threshold, min_loss_scale, "metaseq"
     )
     if not factor.is_integer():
@@ -91,7 +98,7 @@ def DynamicLossScaler(
             f"scale_factor must be a whole number for metaseq's scaler, got {scale_factor!r}: "
             "it multiplies scale_window by scale_factor, and a fractional window is not held."
         )
-    return FairseqScale(init, factor, window, thr, lo, metaseq=True)
+    return FairseqScale(init, factor, window, thr, lo, metaseq=True, tolerance=tol)
 
 
 def import_state(
