@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lossscale_jax import _flax_serialization, errors, layerwise, taps, testing
+from lossscale_jax._state import keep_policy_state
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
 from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orbax
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, TapDiagnosis, diagnose
@@ -102,6 +103,7 @@ __all__ = [
     "diagnose",
     "errors",
     "get_loss_scale_state",
+    "keep_policy_state",
     "layerwise",
     "layerwise_scaling",
     "loss_scaling",

@@ -69,12 +69,12 @@ class LossScaleState(_ChexDataclass):
       margin: int32, the octaves ``HeadroomScale`` keeps between the scale and
         the headroom the gradients show. Other policies keep 0.
       policy_state: the state a policy keeps beside these fields, a pytree of
-        fixed-dtype arrays its ``init`` makes (``compat.fairseq``'s
-        ``tolerance > 0`` keeps its two counters here); ``None`` for a policy
-        that needs none (every policy of ``lossscale_jax.policies``). It is
-        checkpointed and restored with the rest; a policy reads a
-        ``policy_state`` of another structure (a state made by another policy)
-        as a fresh one (see ``keep_policy_state``).
+        fixed-dtype arrays its ``init`` makes (fairseq's and metaseq's scalers
+        with ``tolerance > 0`` keep their two counters here); ``None``, for a
+        policy that needs none (all the others). It is checkpointed and
+        restored with the rest; a policy reads a ``policy_state`` of another
+        structure (a state made by another policy) as a fresh one (see
+        ``keep_policy_state``).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -144,6 +144,24 @@ def keep_policy_state(state: LossScaleState, fresh: Any) -> LossScaleState:
     ``jax.pmap``). A policy calls it on the state it is given, so that a state made by
     another policy (``None`` there, or another policy's counters) starts this policy's
     own state fresh, as ``init`` would.
+
+    Args:
+      state: a ``LossScaleState``, made by any policy.
+      fresh: the policy's own state as its ``init`` makes it (``None``: it keeps none).
+
+    Returns:
+      ``state`` itself, or ``state`` with ``policy_state`` replaced.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale_jax as lsj
+      >>> fresh = {"overflows": jnp.zeros([], jnp.int32)}
+      >>> state = lsj.DynamicScale().init()            # policy_state is None
+      >>> int(lsj.keep_policy_state(state, fresh).policy_state["overflows"])
+      0
+      >>> mine = state.replace(policy_state={"overflows": jnp.asarray(3, jnp.int32)})
+      >>> lsj.keep_policy_state(mine, fresh) is mine
+      True
     """
     lead = tuple(jnp.shape(state.scale))
     have, want = state.policy_state, fresh

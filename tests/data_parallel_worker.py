@@ -105,7 +105,10 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
                     "params": {k: hexed(v[i]) for k, v in params.items()},
                     "adam_count": int(state.inner_state[-1][0].count[i]),
                     "mu": {k: hexed(v[i]) for k, v in state.inner_state[-1][0].mu.items()},
-                    "loss_scale": {f: hexed(getattr(ls, f)[i]) for f in ls.keys()},
+                    "loss_scale": {
+                        jax.tree_util.keystr(path): hexed(leaf[i])
+                        for path, leaf in jax.tree_util.tree_flatten_with_path(ls)[0]
+                    },
                     "trajectory": {"scale": hexed(scales[i]), "last_skipped": hexed(skipped[i])},
                 },
             }

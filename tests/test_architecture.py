@@ -191,7 +191,6 @@ NAMES_BEFORE_THE_SPLIT = {
         "StaticScale",
         "TolerantDynamicScale",
         "initial_state",
-        "keep_policy_state",
     ],
     "lossscale_jax.stuck": ["ON_STUCK", "STUCK_MESSAGE", "check_stuck", "validate_on_stuck"],
     "lossscale_jax.testing": ["saturate", "saturating"],

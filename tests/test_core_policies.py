@@ -446,7 +446,7 @@ def test_keep_policy_state_keeps_its_own_and_starts_anything_else_fresh():
     fresh = {"n": jnp.zeros([], jnp.int32)}
     base = lsj.DynamicScale().init()
     mine = base.replace(policy_state={"n": jnp.asarray(5, jnp.int32)})
-    assert lsj.policies.keep_policy_state(mine, fresh) is mine
+    assert lsj.keep_policy_state(mine, fresh) is mine
     others = [
         base,  # None: another policy's state
         base.replace(policy_state={"m": jnp.asarray(5, jnp.int32)}),  # other names
@@ -454,16 +454,16 @@ def test_keep_policy_state_keeps_its_own_and_starts_anything_else_fresh():
         base.replace(policy_state={"n": jnp.ones(3, jnp.int32)}),  # other shape
     ]
     for state in others:
-        out = lsj.policies.keep_policy_state(state, fresh)
+        out = lsj.keep_policy_state(state, fresh)
         assert int(out.policy_state["n"]) == 0 and out.policy_state["n"].dtype == jnp.int32
         _assert_fields_kept(out, state)
     # A state with a leading axis (one value per device, from jax.pmap): fresh per device.
     stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 4), base)
-    out = lsj.policies.keep_policy_state(stacked, fresh)
+    out = lsj.keep_policy_state(stacked, fresh)
     assert out.policy_state["n"].shape == (4,)
-    assert lsj.policies.keep_policy_state(out, fresh) is out
+    assert lsj.keep_policy_state(out, fresh) is out
     # And a policy that keeps none drops another's.
-    assert lsj.policies.keep_policy_state(mine, None).policy_state is None
+    assert lsj.keep_policy_state(mine, None).policy_state is None
 
 
 def _assert_fields_kept(a, b):

@@ -11,7 +11,7 @@ static, validated hyperparameters and three pure functions: ``init() -> LossScal
 - ``_headroom``: ``HeadroomScale`` (the scale set from the gradients' own range).
 """
 
-from lossscale_jax._state import RECENT_STEPS, LossScaleState, initial_state, keep_policy_state
+from lossscale_jax._state import RECENT_STEPS, LossScaleState, initial_state
 from lossscale_jax.policies._base import LossScalePolicy
 from lossscale_jax.policies._dynamic import DynamicScale
 from lossscale_jax.policies._fixed import NoScale, StaticScale
@@ -28,5 +28,4 @@ __all__ = [
     "StaticScale",
     "TolerantDynamicScale",
     "initial_state",
-    "keep_policy_state",
 ]
