@@ -1,6 +1,7 @@
 """Loss-scale policies and the state they adjust.
 
-``LossScaleState`` is a pytree of fixed-dtype arrays and nothing else. A policy holds
+``LossScaleState`` is a pytree of fixed-dtype arrays and nothing else (its ``policy_state``
+is ``None`` or more such arrays). A policy holds
 static, validated hyperparameters and three pure functions: ``init() -> LossScaleState``,
 ``adjust(state, overflow, amax=None) -> LossScaleState`` and ``conform(state)``
 (see ``LossScalePolicy``). One module per kind of policy:
