@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU checks, in one go, on a machine with one CUDA GPU (README.md, "On a GPU"):
+#
+#   1. the GPU benchmark (lm_185m, full and post step, both modes)  -> results_gpu.json, .md
+#   2. the skip's two formulations, lax.cond against a select per leaf, with the optimized
+#      HLO of every step kept for reading afterwards                 -> select.json, .md,
+#                                                                       hlo.tar.gz
+#   3. the test suite on the GPU (make test-gpu)                     -> tests.log
+#
+# Usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]
+# Six files land in OUTDIR; SECONDS (default 540) bounds the whole run: each part gets what
+# the earlier ones left (the suite last, as it matters least for the measurements), and a
+# part cut short still leaves what it wrote. GPU_CHECK_QUICK=1 rehearses it on CPU in a
+# minute (lm_tiny, two rounds, one test module).
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]}
+budget=${2:-540}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+work=$(mktemp -d)
+start=$SECONDS
+left() { echo $((budget - (SECONDS - start))); }
+# The checkout itself is imported (no install needed). The suite imports jmp (pure Python:
+# `pip install jmp==0.0.4`, or its wheel put on PYTHONPATH); the benchmark skips it, saying so.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+if [[ ${GPU_CHECK_QUICK:-0} == 1 ]]; then
+    model=lm_tiny
+    bench_size=(--rounds 2 --iters 1 --steps 2)
+    tests=(env JAX_PLATFORMS=cpu python -m pytest -q -p no:benchmark tests/test_division.py)
+else
+    model=lm_185m
+    bench_size=()
+    tests=(make test-gpu PYTHON=python GPU_TEST_WORKERS=4)
+fi
+cases=("$model/in_out/fp16grad/full" "$model/in_out/fp16grad/post")
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+    python -c 'import jax, optax; print("jax", jax.__version__, "optax", optax.__version__,
+        jax.devices())'
+} > "$out/tests.log" 2>&1
+
+echo "== 1. the GPU benchmark ($(left) s left)" | tee -a "$out/tests.log"
+timeout "$(left)" python benchmarks/bench_step.py --gpu-results "$out/results_gpu.json" \
+    --cases "${cases[@]}" "${bench_size[@]}" 2>&1 | tail -n 40 >> "$out/tests.log"
+
+echo "== 2. lax.cond against a select, HLO kept ($(left) s left)" | tee -a "$out/tests.log"
+XLA_FLAGS="--xla_dump_to=$work/hlo" timeout "$(left)" python benchmarks/bench_step.py \
+    --cases "${cases[@]}" --out "$work/select" "${bench_size[@]}" \
+    --allocators default --modes throughput \
+    --variants plain lsj_optax_ieee lsj_optax_select_ieee lsj_fused_ieee lsj_fused_select_ieee \
+    2>&1 | tail -n 40 >> "$out/tests.log"
+for ext in json md; do
+    [[ -f $work/select/results.$ext ]] && cp "$work/select/results.$ext" "$out/select.$ext"
+done
+# The optimized modules only (the steps, their names as the benchmark jits them).
+(cd "$work" && find hlo -name '*after_optimizations.txt' -print0 2>/dev/null |
+    tar -czf "$out/hlo.tar.gz" --null -T -)
+
+echo "== 3. the test suite ($(left) s left)" | tee -a "$out/tests.log"
+if (($(left) > 30)); then
+    timeout "$(left)" "${tests[@]}" 2>&1 | tail -n 150 >> "$out/tests.log"
+    echo "suite exit status: ${PIPESTATUS[0]} (124: cut at the budget)" >> "$out/tests.log"
+else
+    echo "no time left for the suite" >> "$out/tests.log"
+fi
+rm -rf "$work"
+echo "done in $((SECONDS - start)) s; wrote: $(ls "$out" | tr '\n' ' ')" | tee -a "$out/tests.log"
