@@ -697,6 +697,49 @@ def test_sharded_jit_trajectory_matches_pmap():
     assert int(j_state.inner_state[0].count) == steps - overflow.sum()
 
 
+def test_a_policys_own_state_is_the_same_on_every_device():
+    """fairseq's scaler with tolerance > 0 keeps two counters in policy_state: under pmap each
+    device's counters, scale and skips follow the one reduced decision, and the transcribed
+    fairseq rule over the steps where any device overflowed."""
+    from reference_torch_world import FairseqDynamicLossScaler
+
+    steps, cfg = 30, dict(init_scale=2.0**6, scale_window=4, tolerance=0.3)
+    policy = lsj.compat.fairseq.DynamicLossScaler(**cfg)
+    x, y = make_data(steps, seed=5)
+    poison_rows = {3: 1, 9: 6, 10: 2, 11: 0, 20: 4, 24: 7}  # some tolerated, some backed off
+    for t, d in poison_rows.items():
+        x[t, d * LOCAL_BATCH, 1] = np.inf
+    tx = make_tx(policy, "ieee", "before")
+
+    def train(params, opt_state, xs, ys):
+        def body(carry, inp):
+            params, opt_state = carry
+            grads = jax.grad(lambda p: lsj.scale_loss(loss_fn(p, *inp), opt_state))(params)
+            updates, opt_state = tx.update(lax.pmean(grads, AXIS), opt_state, params)
+            ls = lsj.get_loss_scale_state(opt_state)
+            return (optax.apply_updates(params, updates), opt_state), (
+                ls.scale,
+                ls.last_skipped,
+                ls.policy_state,
+            )
+
+        return lax.scan(body, (params, opt_state), (xs, ys))
+
+    _, (scale, skipped, own) = jax.pmap(train, axis_name=AXIS)(
+        replicate(PARAMS, N), replicate(tx.init(PARAMS), N), per_device(x), per_device(y)
+    )
+    assert_same_on_every_device((scale, skipped, own), N)
+    ref = FairseqDynamicLossScaler(**cfg)
+    tolerated = 0
+    for t in range(steps):
+        want_scale, want_skipped = ref.step(t in poison_rows)
+        assert float(scale[0, t]) == want_scale and bool(skipped[0, t]) == want_skipped, t
+        assert int(own["iter_since_rescale"][0, t]) == ref._iter - ref._last_rescale_iter, t
+        assert int(own["overflows_since_rescale"][0, t]) == ref._overflows_since_rescale, t
+        tolerated += t in poison_rows and ref._overflows_since_rescale > 0
+    assert tolerated and not ref.raised
+
+
 # --------------------------------------------------------------------------
 # Two processes, two CPU devices each, gloo collectives over localhost.
 
