@@ -2,13 +2,15 @@
 # The GPU checks, in one go, on a machine with one CUDA GPU (README.md, "On a GPU"):
 #
 #   1. the GPU benchmark (lm_185m, full and post step, both modes)  -> results_gpu.json, .md
-#   2. the skip's two formulations, lax.cond against a select per leaf, with the optimized
+#   2. the full step of plain, ours and the peers, kernel by kernel -> kernels.json,
+#                                                                       profile.tar.gz
+#   3. the skip's two formulations, lax.cond against a select per leaf, with the optimized
 #      HLO of every step kept for reading afterwards                 -> select.json, .md,
 #                                                                       hlo.tar.gz
-#   3. the test suite on the GPU (make test-gpu)                     -> tests.log
+#   4. the test suite on the GPU (make test-gpu)                     -> tests.log
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]
-# Six files land in OUTDIR; SECONDS (default 540) bounds the whole run: each part gets what
+# Eight files land in OUTDIR; SECONDS (default 540) bounds the whole run: each part gets what
 # the earlier ones left (the suite last, as it matters least for the measurements), and a
 # part cut short still leaves what it wrote. GPU_CHECK_QUICK=1 rehearses it on CPU in a
 # minute (lm_tiny, two rounds, one test module).
@@ -28,10 +30,12 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [[ ${GPU_CHECK_QUICK:-0} == 1 ]]; then
     model=lm_tiny
     bench_size=(--rounds 2 --iters 1 --steps 2)
+    profile_steps=2
     tests=(env JAX_PLATFORMS=cpu python -m pytest -q -p no:benchmark tests/test_division.py)
 else
     model=lm_185m
     bench_size=()
+    profile_steps=10
     tests=(make test-gpu PYTHON=python GPU_TEST_WORKERS=4)
 fi
 cases=("$model/in_out/fp16grad/full" "$model/in_out/fp16grad/post")
@@ -47,7 +51,14 @@ echo "== 1. the GPU benchmark ($(left) s left)" | tee -a "$out/tests.log"
 timeout "$(left)" python benchmarks/bench_step.py --gpu-results "$out/results_gpu.json" \
     --cases "${cases[@]}" "${bench_size[@]}" 2>&1 | tail -n 40 >> "$out/tests.log"
 
-echo "== 2. lax.cond against a select, HLO kept ($(left) s left)" | tee -a "$out/tests.log"
+echo "== 2. kernel by kernel ($(left) s left)" | tee -a "$out/tests.log"
+timeout "$(left)" python benchmarks/bench_step.py --profile "$work/profile" \
+    --cases "${cases[0]}" --steps "${profile_steps}" 2>&1 | tail -n 20 >> "$out/tests.log"
+[[ -f $work/profile/kernels.json ]] && cp "$work/profile/kernels.json" "$out/kernels.json"
+(cd "$work" && find profile -name 'perfetto_trace.json.gz' -print0 2>/dev/null |
+    tar -czf "$out/profile.tar.gz" --null -T -)
+
+echo "== 3. lax.cond against a select, HLO kept ($(left) s left)" | tee -a "$out/tests.log"
 XLA_FLAGS="--xla_dump_to=$work/hlo" timeout "$(left)" python benchmarks/bench_step.py \
     --cases "${cases[@]}" --out "$work/select" "${bench_size[@]}" \
     --allocators default --modes throughput \
@@ -60,7 +71,7 @@ done
 (cd "$work" && find hlo -name '*after_optimizations.txt' -print0 2>/dev/null |
     tar -czf "$out/hlo.tar.gz" --null -T -)
 
-echo "== 3. the test suite ($(left) s left)" | tee -a "$out/tests.log"
+echo "== 4. the test suite ($(left) s left)" | tee -a "$out/tests.log"
 if (($(left) > 30)); then
     timeout "$(left)" "${tests[@]}" 2>&1 | tail -n 150 >> "$out/tests.log"
     echo "suite exit status: ${PIPESTATUS[0]} (124: cut at the budget)" >> "$out/tests.log"

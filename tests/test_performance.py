@@ -9,6 +9,7 @@ temporary memory within one byte per parameter of the plain step.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import shutil
@@ -29,6 +30,7 @@ breakdowns = import_benchmark("breakdowns")
 cli = import_benchmark("cli")
 harness = import_benchmark("harness")
 hlo = import_benchmark("hlo")
+profiling = import_benchmark("profiling")
 prototypes = import_benchmark("prototypes")
 report = import_benchmark("report")
 variants = import_benchmark("variants")
@@ -603,3 +605,72 @@ def test_benchmark_gpu_results_schema(tmp_path, monkeypatch, capsys):
     table = path.with_suffix(".md").read_text()
     assert "| lsj_headroom_taps |" in table and "x plain, throughput" in table
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results_gpu.json", "results_gpu.md"]
+
+
+def _synthetic_trace(path, step_us):
+    """A Perfetto trace as a GPU's reads: a host process, and a device with a line of XLA
+    modules and one stream of kernels, each covering the same time."""
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "XLA Modules"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "Stream #13"}},
+        {"ph": "X", "name": "PjitFunction(step)", "pid": 1, "tid": 1, "ts": 0, "dur": 999.0},
+    ]
+    t = 0.0
+    for kernels in step_us:
+        events.append(
+            {
+                "ph": "X",
+                "name": "jit_step",
+                "pid": 2,
+                "tid": 7,
+                "ts": t,
+                "dur": sum(kernels.values()),
+            }
+        )
+        for name, us in kernels.items():
+            events.append({"ph": "X", "name": name, "pid": 2, "tid": 8, "ts": t, "dur": us})
+            t += us
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_profile_summary_reads_the_device_tracks(tmp_path):
+    """By hand: two steps of 30 + 10 us and 30 + 12 us; the host's event is left out."""
+    path = tmp_path / "perfetto_trace.json.gz"
+    _synthetic_trace(path, [{"gemm": 30.0, "fusion.1": 10.0}, {"gemm": 30.0, "fusion.1": 12.0}])
+    summary = profiling.summarize(path, steps=2)
+    assert summary["events"] == "device"
+    assert summary["tracks"] == {
+        "/device:GPU:0 / XLA Modules": 41.0,
+        "/device:GPU:0 / Stream #13": 41.0,
+    }
+    assert summary["us_per_step"] == 41.0
+    stream = {n["name"]: (n["count"], n["us"]) for n in summary["names"] if "Stream" in n["track"]}
+    assert stream == {"gemm": (1.0, 30.0), "fusion.1": (1.0, 11.0)}
+    # Against a variant with one more kernel and a slower fusion: what it spends beyond plain.
+    _synthetic_trace(path, [{"gemm": 30.0, "fusion.1": 13.0, "check": 2.0}])
+    mine = profiling.summarize(path, steps=1)["_all_us"]
+    assert profiling.more_than(summary["_all_us"], mine) == [
+        {"track | name": "/device:GPU:0 / XLA Modules | jit_step", "us": 4.0},
+        {"track | name": "/device:GPU:0 / Stream #13 | fusion.1", "us": 2.0},
+        {"track | name": "/device:GPU:0 / Stream #13 | check", "us": 2.0},
+    ]
+
+
+@pytest.mark.slow  # about 3 s: two compiles
+def test_benchmark_profile_writes_kernels_and_traces(tmp_path):
+    """`--profile DIR` on CPU: a summary per variant (host tracks here), what the variant
+    spends beyond plain, and one trace per variant."""
+    out = tmp_path / "profile"
+    argv = ["--profile", str(out), "--cases", "tiny/in_out/fp16grad/post", "--steps", "2"]
+    rows = cli.main([*argv, "--variants", "plain", "lsj_fused_ieee"])
+    assert [r["variant"] for r in rows] == ["plain", "lsj_fused_ieee"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["us_per_step"] > 0
+    doc = json.loads((out / "kernels.json").read_text())
+    case = doc["cases"]["tiny/in_out/fp16grad/post"]
+    assert case["plain"]["events"] == "host" and "more_than_plain" not in case["plain"]
+    assert all(m["us"] > 0 for m in case["lsj_fused_ieee"]["more_than_plain"])
+    traces = sorted(p.parent.parent.parent.parent.name for p in out.rglob("perfetto_trace*"))
+    assert traces == [f"tiny_in_out_fp16grad_post.{v}" for v in ("lsj_fused_ieee", "plain")]

@@ -38,6 +38,7 @@ from .harness import (
     run_children,
     run_here,
 )
+from .profiling import profile
 from .report import HEADLINE, gpu_markdown, gpu_results, markdown, targets, update_docs
 from .variants import DEFAULT_VARIANTS, GPU_VARIANTS, VARIANTS, missing_package
 from .workloads import DEFAULT_CASES, GPU_CASES, QUICK_CASES, check_case
@@ -78,6 +79,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="the accelerator's run: the language model (lm_185m), the GPU variants, both "
         "modes, in this process; writes PATH (JSON) and PATH with .md, nothing else",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="per-kernel times instead of timings: --cases x --variants (default: the GPU "
+        "cases' full step; plain, the library's Optax and fused steps and the peers), --steps "
+        "steps each (default 10) in a jax.profiler trace; writes DIR/kernels.json and the traces",
     )
     ap.add_argument(
         "--check-report",
@@ -131,6 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if args.gpu_results:
         return gpu_main(args, argv)
+    if args.profile:
+        return profile_main(args)
     cases = args.cases or list(QUICK_CASES if args.quick else DEFAULT_CASES)
     for case in cases:
         check_case(case)
@@ -231,6 +242,35 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"wrote {out / 'results.json'} and {out / 'results.md'} "
         f"({time.perf_counter() - t_start:.0f} s)"
     )
+    return rows
+
+
+PROFILED = ("plain", "lsj_optax_ieee", "lsj_fused_ieee", "jmp", "flax", "optax_if_finite")
+
+
+def profile_main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--profile DIR``: each case's variants, kernel by kernel (see ``profiling``); one row
+    per case and variant: its device time per step and the ratio to plain's."""
+    cases = args.cases or [c for c in GPU_CASES if c.endswith("/full")]
+    for case in cases:
+        check_case(case)
+    names = args.variants or list(PROFILED)
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(f"--variants: unknown variant {name!r}; choose from {list(VARIANTS)}.")
+    variants, _ = _available(["plain"] + [v for v in names if v != "plain"])
+    doc = profile(cases, variants, args.steps or 10, Path(args.profile))
+    rows = []
+    for case, per_variant in doc["cases"].items():
+        plain_us = per_variant["plain"]["us_per_step"]
+        for variant, summary in per_variant.items():
+            ratio = summary["us_per_step"] / plain_us if plain_us else float("nan")
+            rows.append({"case": case, "variant": variant, "ratio": ratio, **summary})
+            log(
+                f"{case} {variant:24s} {summary['us_per_step']:10.1f} us/step (the busiest "
+                f"{summary['events']} track)  x{ratio:.3f} plain"
+            )
+    log(f"wrote {Path(args.profile) / 'kernels.json'} and a trace per variant")
     return rows
 
 

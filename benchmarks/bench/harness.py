@@ -85,7 +85,7 @@ HLO_COLUMNS = (
 )
 
 
-def _compile_variant(name, case, measure_compile, log) -> dict[str, Any]:
+def compile_variant(name, case, measure_compile, log) -> dict[str, Any]:
     """Variant ``name`` of the built ``case`` compiled and run once (warm-up): its executable,
     carry, compile times, temporaries and HLO columns, ready for the timed rounds."""
     full, post, init, scale_of = VARIANTS[name](case.loss, case.pattern)
@@ -175,7 +175,7 @@ def run_case(
     steps = steps or iters
     built = build_case(case)
     leaves = jax.tree_util.tree_leaves(built.params)
-    runs = {name: _compile_variant(name, built, measure_compile, log) for name in variants}
+    runs = {name: compile_variant(name, built, measure_compile, log) for name in variants}
     full = built.kind == "full"
     timers = {
         "latency": lambda run: _latency(run, built.args, iters, full),
