@@ -22,6 +22,9 @@ mkdir -p "$out"
 work=$(mktemp -d)
 start=$SECONDS
 left() { echo $((budget - (SECONDS - start))); }
+# pack FOLDER PATTERN NAME: the files of $work/FOLDER named PATTERN into $out/NAME (tar.gz).
+pack() { (cd "$work" && find "$1" -name "$2" -print0 2>/dev/null |
+    tar -czf "$out/$3" --null -T -); }
 # The checkout itself is imported (no install needed). The suite imports jmp (pure Python:
 # `pip install jmp==0.0.4`, or its wheel put on PYTHONPATH); the benchmark skips it, saying so.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -55,8 +58,7 @@ echo "== 2. kernel by kernel ($(left) s left)" | tee -a "$out/tests.log"
 timeout "$(left)" python benchmarks/bench_step.py --profile "$work/profile" \
     --cases "${cases[0]}" --steps "${profile_steps}" 2>&1 | tail -n 20 >> "$out/tests.log"
 [[ -f $work/profile/kernels.json ]] && cp "$work/profile/kernels.json" "$out/kernels.json"
-(cd "$work" && find profile -name 'perfetto_trace.json.gz' -print0 2>/dev/null |
-    tar -czf "$out/profile.tar.gz" --null -T -)
+pack profile 'perfetto_trace.json.gz' profile.tar.gz
 
 echo "== 3. lax.cond against a select, HLO kept ($(left) s left)" | tee -a "$out/tests.log"
 XLA_FLAGS="--xla_dump_to=$work/hlo" timeout "$(left)" python benchmarks/bench_step.py \
@@ -68,8 +70,7 @@ for ext in json md; do
     [[ -f $work/select/results.$ext ]] && cp "$work/select/results.$ext" "$out/select.$ext"
 done
 # The optimized modules only (the steps, their names as the benchmark jits them).
-(cd "$work" && find hlo -name '*after_optimizations.txt' -print0 2>/dev/null |
-    tar -czf "$out/hlo.tar.gz" --null -T -)
+pack hlo '*after_optimizations.txt' hlo.tar.gz
 
 echo "== 4. the test suite ($(left) s left)" | tee -a "$out/tests.log"
 if (($(left) > 30)); then

@@ -103,8 +103,13 @@ class RatioThreshold:
         t = float(self.threshold)
         if not math.isfinite(t):
             raise ValueError(f"threshold must be a finite number, got {self.threshold!r}.")
-        values: dict[str, object] = {"always": t <= 0.0, "p": 0, "q": 1}
-        values.update(flipped=False, inclusive=True)
+        values: dict[str, object] = {
+            "always": t <= 0.0,
+            "p": 0,
+            "q": 1,
+            "flipped": False,
+            "inclusive": True,
+        }
         if t > 0.0:
             below = math.nextafter(t, 0.0)
             m = (Fraction(below) + Fraction(t)) / 2  # the reals rounding to >= t start here

@@ -276,8 +276,6 @@ def check_checkpoint(target: Any, saved: Any, *, policy: LossScalePolicy | None 
                     f"LossScaleState: missing fields {sorted(mine - theirs)}, unknown fields "
                     f"{sorted(theirs - mine)}."
                 )
-    for prefix in want_ls:
-        if prefix in have_ls:
             _policy_state.check_policy_state(_fmt(prefix), prefix, want, have)
     missing = [p for p in want if p not in have]
     unexpected = [p for p in have if p not in want]

@@ -135,6 +135,17 @@ def _available(variants: list[str]) -> tuple[list[str], list[str]]:
     return kept, skipped
 
 
+def _cases_and_variants(cases: list[str], names: list[str]) -> tuple[list[str], list[str]]:
+    """The cases, checked, and the variants: known, plain first, those installed."""
+    for case in cases:
+        check_case(case)
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(f"--variants: unknown variant {name!r}; choose from {list(VARIANTS)}.")
+    variants, _ = _available(["plain"] + [v for v in names if v != "plain"])
+    return cases, variants
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """The one command; returns the rows it measured (or rendered)."""
     args = parse_args(argv)
@@ -142,14 +153,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return gpu_main(args, argv)
     if args.profile:
         return profile_main(args)
-    cases = args.cases or list(QUICK_CASES if args.quick else DEFAULT_CASES)
-    for case in cases:
-        check_case(case)
-    names = args.variants or list(DEFAULT_VARIANTS)
-    for name in names:
-        if name not in VARIANTS:
-            raise ValueError(f"--variants: unknown variant {name!r}; choose from {list(VARIANTS)}.")
-    variants, _ = _available(["plain"] + [v for v in names if v != "plain"])
+    cases, variants = _cases_and_variants(
+        args.cases or list(QUICK_CASES if args.quick else DEFAULT_CASES),
+        args.variants or list(DEFAULT_VARIANTS),
+    )
     rounds = args.rounds or (2 if args.quick else 7)
     iters = args.iters or (2 if args.quick else 3)
 
@@ -251,14 +258,10 @@ PROFILED = ("plain", "lsj_optax_ieee", "lsj_fused_ieee", "jmp", "flax", "optax_i
 def profile_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--profile DIR``: each case's variants, kernel by kernel (see ``profiling``); one row
     per case and variant: its device time per step and the ratio to plain's."""
-    cases = args.cases or [c for c in GPU_CASES if c.endswith("/full")]
-    for case in cases:
-        check_case(case)
-    names = args.variants or list(PROFILED)
-    for name in names:
-        if name not in VARIANTS:
-            raise ValueError(f"--variants: unknown variant {name!r}; choose from {list(VARIANTS)}.")
-    variants, _ = _available(["plain"] + [v for v in names if v != "plain"])
+    cases, variants = _cases_and_variants(
+        args.cases or [c for c in GPU_CASES if c.endswith("/full")],
+        args.variants or list(PROFILED),
+    )
     doc = profile(cases, variants, args.steps or 10, Path(args.profile))
     rows = []
     for case, per_variant in doc["cases"].items():
