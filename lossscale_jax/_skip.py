@@ -2,21 +2,26 @@
 
 Two formulations of ``good(*operands) if apply else skip(*operands)``:
 
-- ``"cond"``: one ``lax.cond``; the good branch runs only on a good step. On XLA:CPU, the
-  cheaper one (measured there: a ``jnp.where`` over every optimizer leaf cost a plain Adam
-  step 1.7x-5x and much compile time; the conditional 1.1x-1.3x).
+- ``"cond"``: one ``lax.cond``; the good branch runs only on a good step. XLA:CPU takes it
+  (measured there: a ``jnp.where`` over every optimizer leaf cost a plain Adam step 1.7x-5x
+  and much compile time; the conditional 1.1x-1.3x), and TPU keeps it (not measured).
 - ``"select"``: both branches computed, each output leaf chosen with ``jnp.where``. XLA:GPU
-  fuses such a select into the kernels that compute the leaf (the peers that skip this way
-  measured +0 to +8% over a plain step on an H200), where a conditional is a branch the
-  host-side runtime may have to resolve.
+  (CUDA and ROCm) takes it: there a conditional is resolved by the host. XLA:GPU's
+  conditional copies its predicate to the host and blocks the host until the stream has
+  computed it, in the middle of every step, so the host cannot queue the next step ahead; and
+  with the step's buffers donated, XLA:GPU (jaxlib 0.10.2) copies every parameter and moment
+  out of the conditional, a second pass over the optimizer's memory. A select is fused into
+  the kernels that compute each leaf: no host round trip, no copy, the bytes of the peers'
+  whole-tree ``jnp.where`` (docs/performance.md has the compiled H100 step's numbers).
 
 Both give the same values on every step (the skip branch's outputs are constants or the
 operands as they were; the good branch's are selected whole), and the property test runs
 the engine's front-ends under each (``tests/test_engine_properties.py``). Which one a backend
 gets is :data:`BY_PLATFORM`; :func:`formulation` overrides it while a step is traced (the
-tests and the benchmark use it to measure one against the other). Where the table gives
-platforms different formulations, ``jax.lax.platform_dependent`` picks at lowering, so one
-traced step serves them all.
+tests and the benchmark use it to measure one against the other). In a process whose
+platforms take different formulations (a GPU and the CPU), ``jax.lax.platform_dependent``
+picks at lowering, so one traced step serves them all; a CPU-only process traces the
+conditional alone (:func:`here`).
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.extend.backend as jex_backend
 import jax.numpy as jnp
 
 FORMULATIONS = ("cond", "select")
 
-BY_PLATFORM: dict[str, str] = {"cpu": "cond", "cuda": "cond", "rocm": "cond", "tpu": "cond"}
-"""The formulation each platform gets. Every platform keeps ``"cond"`` until a measurement
-on it shows ``"select"`` faster (benchmarks/README.md says how to measure one against the
-other); a platform not listed gets ``"cond"``."""
+BY_PLATFORM: dict[str, str] = {"cpu": "cond", "cuda": "select", "rocm": "select", "tpu": "cond"}
+"""The formulation each platform gets (the module's docstring says why); a platform not
+listed gets ``"cond"``. benchmarks/README.md says how to measure one against the other."""
 
 _OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "lossscale_jax_skip_formulation", default=None
@@ -63,6 +68,18 @@ def current() -> str | None:
     return _OVERRIDE.get()
 
 
+def here() -> set[str]:
+    """The formulations of the platforms this process has (``jax.extend.backend.backends()``).
+
+    One formulation (a CPU-only process: ``{"cond"}``) is traced alone; several (a GPU
+    process, which has the CPU platform beside the GPU) are traced once each and
+    ``platform_dependent`` keeps the one of the platform the step is lowered for. A step
+    lowered for a platform the process lacks (``lowering_platforms``, ``jax.export``) gets
+    the formulation of those it has; :func:`formulation` names another.
+    """
+    return {BY_PLATFORM.get(platform, "cond") for platform in jex_backend.backends()}
+
+
 def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
     """Both branches, each output leaf picked by ``pred`` (``"select"``)."""
     good = true_fun(*operands)
@@ -83,16 +100,19 @@ def choose(
     forced = current()
     if forced is not None:
         return impls[forced](pred, true_fun, false_fun, *operands)
-    wanted = set(BY_PLATFORM.values())
+    wanted = here()
     if len(wanted) == 1:
         return impls[wanted.pop()](pred, true_fun, false_fun, *operands)
-    per_platform = {
-        platform: (lambda *a, f=impls[name]: f(pred, true_fun, false_fun, *a))
-        for platform, name in BY_PLATFORM.items()
+    # One branch per formulation: the platforms that take "cond" (and any platform not in
+    # the table) share the default branch, the others one branch each formulation, so
+    # platform_dependent traces each formulation once.
+    branches = {
+        name: (lambda *a, f=impls[name]: f(pred, true_fun, false_fun, *a)) for name in FORMULATIONS
     }
-    return jax.lax.platform_dependent(
-        *operands, default=lambda *a: cond(pred, true_fun, false_fun, *a), **per_platform
-    )
+    per_platform = {
+        platform: branches[name] for platform, name in BY_PLATFORM.items() if name != "cond"
+    }
+    return jax.lax.platform_dependent(*operands, default=branches["cond"], **per_platform)
 
 
 def as_good(good: Callable, skip: Callable, operands: tuple, want: Any = None) -> Callable:

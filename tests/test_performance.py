@@ -250,6 +250,29 @@ def test_hlo_reader_sees_a_whole_tree_select():
     assert hlo.reads(text, "grads['a']") >= 1
 
 
+
+@pytest.mark.skipif(
+    jax.default_backend() not in ("cuda", "rocm"), reason="XLA:GPU's program: make test-gpu"
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["optax_path", "fused"])
+def test_on_a_gpu_the_step_has_no_conditional_and_copies_nothing(fused):
+    """XLA:GPU resolves a conditional on the host (it copies the predicate back and waits for
+    it), and with the buffers donated it copied every parameter and moment out of the fused
+    step's conditional (jaxlib 0.10.2): the select formulation the GPU takes has neither."""
+    params = {"a": jnp.ones((256, 128), jnp.float32), "b": jnp.ones((128,), jnp.float32)}
+    grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
+    tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
+
+    def step(params, state, grads):
+        if fused:
+            return lsj.apply_gradients(tx, grads, state, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    stats = hlo.hlo_stats(_compile(step, tx.init, params, grads).as_text(), {"f32[256,128]"})
+    assert stats["conditionals"] == 0 and stats["param_sized_copies"] == 0, stats
+    assert stats["param_sized_selects"] >= 3, stats  # params, mu, nu: selected where computed
+
 @pytest.mark.slow
 def test_compiled_step_size_grows_linearly_with_the_leaf_count():
     def instructions(n_leaves: int) -> int:
