@@ -2,10 +2,12 @@
 # The GPU checks, in one go, on a machine with one CUDA GPU (README.md, "On a GPU"):
 #
 #   1. the GPU benchmark (lm_185m, full and post step, both modes)  -> results_gpu.json, .md
-#   2. the full step of plain, ours and the peers, kernel by kernel -> kernels.json,
+#   2. the full step of plain, plain_scaled (a constant loss scale, nothing else), ours and
+#      the peers, kernel by kernel                                   -> kernels.json,
 #                                                                       profile.tar.gz
-#   3. the skip's two formulations, lax.cond against a select per leaf, with the optimized
-#      HLO of every step kept for reading afterwards                 -> select.json, .md,
+#   3. the skip's two formulations, the select per leaf the GPU takes against a lax.cond,
+#      and plain_scaled against plain, with the optimized HLO of every step kept for reading
+#      afterwards                                                    -> select.json, .md,
 #                                                                       hlo.tar.gz
 #   4. the test suite on the GPU (make test-gpu)                     -> tests.log
 #
@@ -60,11 +62,12 @@ timeout "$(left)" python benchmarks/bench_step.py --profile "$work/profile" \
 [[ -f $work/profile/kernels.json ]] && cp "$work/profile/kernels.json" "$out/kernels.json"
 pack profile 'perfetto_trace.json.gz' profile.tar.gz
 
-echo "== 3. lax.cond against a select, HLO kept ($(left) s left)" | tee -a "$out/tests.log"
+echo "== 3. a select against lax.cond, plain_scaled, HLO kept ($(left) s left)" | tee -a "$out/tests.log"
 XLA_FLAGS="--xla_dump_to=$work/hlo" timeout "$(left)" python benchmarks/bench_step.py \
     --cases "${cases[@]}" --out "$work/select" "${bench_size[@]}" \
     --allocators default --modes throughput \
-    --variants plain lsj_optax_ieee lsj_optax_select_ieee lsj_fused_ieee lsj_fused_select_ieee \
+    --variants plain plain_scaled lsj_optax_ieee lsj_optax_cond_ieee lsj_fused_ieee \
+    lsj_fused_cond_ieee \
     2>&1 | tail -n 40 >> "$out/tests.log"
 for ext in json md; do
     [[ -f $work/select/results.$ext ]] && cp "$work/select/results.$ext" "$out/select.$ext"

@@ -10,6 +10,7 @@ temporary memory within one byte per parameter of the plain step.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import re
 import shutil
@@ -250,7 +251,6 @@ def test_hlo_reader_sees_a_whole_tree_select():
     assert hlo.reads(text, "grads['a']") >= 1
 
 
-
 @pytest.mark.skipif(
     jax.default_backend() not in ("cuda", "rocm"), reason="XLA:GPU's program: make test-gpu"
 )
@@ -272,6 +272,7 @@ def test_on_a_gpu_the_step_has_no_conditional_and_copies_nothing(fused):
     stats = hlo.hlo_stats(_compile(step, tx.init, params, grads).as_text(), {"f32[256,128]"})
     assert stats["conditionals"] == 0 and stats["param_sized_copies"] == 0, stats
     assert stats["param_sized_selects"] >= 3, stats  # params, mu, nu: selected where computed
+
 
 @pytest.mark.slow
 def test_compiled_step_size_grows_linearly_with_the_leaf_count():
@@ -429,9 +430,10 @@ def test_benchmark_prototypes_still_trace_and_stay_finite():
     assert set(prototypes.PROTOTYPES) < set(names)  # and the two HeadroomScale steps
     rows = harness.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
     assert [r["variant"] for r in rows] == names
-    # One conditional each, but the select formulation's, which has none (on XLA:CPU).
+    # One conditional each of the library's steps (XLA:CPU takes the conditional), but the
+    # select formulation's, which has none; plain_scaled has no skip.
     for r in rows[1:]:
-        want = 0 if "_select_" in r["variant"] else 1
+        want = 0 if "_select_" in r["variant"] or r["variant"] == "plain_scaled" else 1
         assert r["refused"] is None and r["conditionals"] == want, r
     rows = harness.run_case(
         "tiny/in_out/fp16grad/full", ["plain", *full_only], 1, 1, False, lambda m: None
@@ -537,6 +539,64 @@ def test_hlo_reader_sizes_xla_gpu_types_and_follows_calls():
 """
     assert hlo.reads(text, "grads['w']") == 1
     assert hlo.bytes_moved(text) == 2 * 32
+
+
+# XLA:GPU's own text: the tiny case's fused post step compiled for an H100 by
+# `bench_step.py --compile-for h100 --cases tiny/in_out/fp16grad/post --variants
+# lsj_fused_cond_ieee lsj_fused_ieee --hlo-dir ...` (jaxlib 0.10.2, the buffers donated), with
+# the debug tables, scheduling names and stack frame ids taken out (the rest unchanged).
+XLA_GPU = ROOT / "tests" / "fixtures" / "xla_gpu"
+
+
+def test_hlo_reader_on_xla_gpus_own_text():
+    """The reader's columns on XLA:GPU's own programs, against counts derived by hand: 8 leaves
+    (tiny: 4 kernels, 4 biases; 4,856 float32 parameters), each with Adam's two moments.
+
+    Under ``lax.cond`` XLA:GPU keeps the conditional and copies every parameter and moment
+    twice: out of the skip branch (24) and, the buffers being donated, out of the conditional
+    into the outputs (24): one more read and write of 3 x 4,856 float32 values on every step.
+    Under the select formulation: no conditional, no copy, one select per output leaf (24)."""
+    cond = gzip.decompress((XLA_GPU / "tiny_post_fused_cond.hlo.txt.gz").read_bytes()).decode()
+    select = gzip.decompress((XLA_GPU / "tiny_post_fused_select.hlo.txt.gz").read_bytes()).decode()
+    shapes = {"f32[32,64]", "f32[64]", "f32[64,32]", "f32[32]", "f32[32,16]", "f32[16]"}
+    shapes |= {"f32[16,8]", "f32[8]"}
+    n = 32 * 64 + 64 + 64 * 32 + 32 + 32 * 16 + 16 + 16 * 8 + 8
+    assert n == 4856
+    c, s = hlo.hlo_stats(cond, shapes), hlo.hlo_stats(select, shapes)
+    assert (c["conditionals"], c["param_sized_copies"], c["param_sized_selects"]) == (1, 48, 0)
+    assert (s["conditionals"], s["param_sized_copies"], s["param_sized_selects"]) == (0, 0, 24)
+    # The conditional's extra pass: the 24 copies after it, read and written (the estimate
+    # takes the costlier branch, which is the good one: the skip branch only copies).
+    extra = c["bytes_moved"] - s["bytes_moved"]
+    assert abs(extra - 2 * 3 * n * 4) < 64, extra
+    assert cond.count("true_computation=") == 1 and "branch_computations=" not in cond
+    for k in range(8):
+        assert hlo.reads(cond, f"grads['{k:03d}']") >= 1 <= hlo.reads(select, f"grads['{k:03d}']")
+
+
+def test_compile_for_a_gpu_without_one(tmp_path):
+    """``--compile-for h100``: where JAX's CUDA plugin is installed (the GPU machine's JAX), the
+    fused step compiled for the described H100 has no conditional and no copy, and the
+    conditional forced has both; without it (CI), the error says what to install."""
+    deviceless = import_benchmark("deviceless")
+    argv = ["--compile-for", "h100", "--cases", "tiny/in_out/fp16grad/post", "--out", str(tmp_path)]
+    argv += ["--variants", "lsj_fused_ieee", "lsj_fused_cond_ieee"]
+    with pytest.raises(ValueError, match=r"unknown GPU 'a100'; choose from \['h100'\]"):
+        cli.main([*argv[:1], "a100", *argv[2:]])
+    plugins = importlib.util.find_spec("jax_plugins")  # the package the CUDA plugin is in
+    if plugins is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        with pytest.raises(RuntimeError, match=re.escape(f'pip install "{deviceless.PLUGIN}"')):
+            cli.main(argv)
+        assert list(tmp_path.iterdir()) == []
+        return
+    rows = {r["variant"]: r for r in cli.main(argv)}
+    assert list(rows) == ["plain", "lsj_fused_ieee", "lsj_fused_cond_ieee"]
+    assert (
+        rows["lsj_fused_ieee"]["conditionals"] == rows["lsj_fused_ieee"]["param_sized_copies"] == 0
+    )
+    assert rows["lsj_fused_cond_ieee"]["conditionals"] == 1
+    assert rows["lsj_fused_cond_ieee"]["param_sized_copies"] > 0
+    assert "| lsj_fused_ieee | 0 | 0 |" in (tmp_path / "compiled_h100.md").read_text()
 
 
 @pytest.mark.slow

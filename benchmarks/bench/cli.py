@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import optax
 
+from . import deviceless
 from .breakdowns import check_report, compile_report
 from .harness import (
     ALLOCATORS,
@@ -87,6 +88,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="per-kernel times instead of timings: --cases x --variants (default: the GPU "
         "cases' full step; plain, the library's Optax and fused steps and the peers), --steps "
         "steps each (default 10) in a jax.profiler trace; writes DIR/kernels.json and the traces",
+    )
+    ap.add_argument(
+        "--compile-for",
+        default=None,
+        metavar="GPU",
+        help="no timing, no GPU: --cases x --variants (default: the GPU cases; plain, "
+        "plain_scaled, ours, the conditional forced, the peers) compiled for the described GPU "
+        "(h100) by JAX's CUDA plugin; writes compiled_GPU.json and .md into --out",
+    )
+    ap.add_argument(
+        "--hlo-dir",
+        default=None,
+        metavar="DIR",
+        help="with --compile-for: each step's optimized HLO text into DIR",
     )
     ap.add_argument(
         "--check-report",
@@ -153,6 +168,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return gpu_main(args, argv)
     if args.profile:
         return profile_main(args)
+    if args.compile_for:
+        return compile_main(args, argv)
     cases, variants = _cases_and_variants(
         args.cases or list(QUICK_CASES if args.quick else DEFAULT_CASES),
         args.variants or list(DEFAULT_VARIANTS),
@@ -252,7 +269,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-PROFILED = ("plain", "lsj_optax_ieee", "lsj_fused_ieee", "jmp", "flax", "optax_if_finite")
+PROFILED = (
+    "plain",
+    "plain_scaled",
+    "lsj_optax_ieee",
+    "lsj_fused_ieee",
+    "jmp",
+    "flax",
+    "optax_if_finite",
+)
+
+
+def compile_main(args: argparse.Namespace, argv: list[str] | None) -> list[dict[str, Any]]:
+    """``--compile-for GPU``: the HLO columns of each case's variants compiled for that GPU
+    (see ``deviceless``), into ``--out``; every variant, jmp's too (its package is needed)."""
+    cases, variants = _cases_and_variants(
+        args.cases or list(GPU_CASES), args.variants or list(deviceless.COMPILED)
+    )
+    hlo_dir = Path(args.hlo_dir) if args.hlo_dir else None
+    log(f"compiling for {args.compile_for} (XLA:GPU, no GPU): {cases} x {variants}")
+    rows = deviceless.compile_for(args.compile_for, cases, variants, hlo_dir, log)
+    command = " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])])
+    path = deviceless.write(rows, args.compile_for, command, Path(args.out))
+    log(f"wrote {path} and {path.with_suffix('.md')}")
+    return rows
 
 
 def profile_main(args: argparse.Namespace) -> list[dict[str, Any]]:

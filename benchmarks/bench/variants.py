@@ -11,8 +11,9 @@ Each variant is ``variant(loss, pattern) -> (full, post, init, scale_of)``:
 ``optax.adam`` and ``apply_updates``); ``lsj_optax_*`` is ``tx.update`` + ``apply_updates``,
 ``lsj_fused_*`` is ``lsj.apply_gradients``; ``jmp``, ``flax`` and ``optax_if_finite`` are the
 peers as their documentation has them. Not in the default run: the ``lsj_*_headroom_ieee``
-steps, ``lsj_headroom_taps``, ``lsj_*_select_ieee`` (the skip as a select per leaf, forced) and
-the prototypes (``prototypes.PROTOTYPES``).
+steps, ``lsj_headroom_taps``, ``lsj_*_select_ieee`` and ``lsj_*_cond_ieee`` (the skip's
+formulation forced), ``plain_scaled`` (plain with a constant loss scale) and the prototypes
+(``prototypes.PROTOTYPES``).
 
 ``GPU_VARIANTS`` names the variants of the GPU results (``--gpu-results``); ``missing_package``
 says which variant cannot run here (jmp is an optional dependency).
@@ -54,6 +55,26 @@ def variant_plain(loss, pattern):
         return optax.apply_updates(params, updates), state
 
     return _full_step(loss, pattern, post, lambda s: None), post, adam.init, lambda s: None
+
+
+def variant_plain_scaled(loss, pattern):
+    """The least a scaled step does: the loss times the constant ``INIT_SCALE``, the gradients
+    times its inverse as they are cast (exact: a power of two), then plain's Adam; no check, no
+    skip, no state. Beside plain, it tells what the scaled backward pass costs by itself:
+    plain's float16 backward pass loses most of the logits' gradient to underflow (zeros), a
+    scaled one computes on the values (docs/performance.md, "The whole step")."""
+    adam = optax.adam(LR)
+    inverse = 1.0 / INIT_SCALE
+
+    def post(params, state, grads):
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype) * inverse, grads, params)
+        updates, state = adam.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def scale_in(state):
+        return jnp.float32(INIT_SCALE)
+
+    return _full_step(loss, pattern, post, scale_in), post, adam.init, lambda s: None
 
 
 def lsj_scale_of(state):
@@ -272,14 +293,21 @@ VARIANTS |= {
     ),
     "lsj_layerwise": variant_layerwise,
     "lsj_headroom_taps": variant_headroom_taps,
-    # The skip as a select per leaf (the peers' formulation) instead of the lax.cond every
-    # backend takes today: what a GPU measurement needs to choose between them.
+    # The skip's two formulations forced, whatever the backend takes (lossscale_jax/_skip.py:
+    # a select per leaf on XLA:GPU, a lax.cond elsewhere): one measured against the other.
     "lsj_optax_select_ieee": functools.partial(
         variant_lsj, fused=False, mode="ieee", formulation="select"
     ),
     "lsj_fused_select_ieee": functools.partial(
         variant_lsj, fused=True, mode="ieee", formulation="select"
     ),
+    "lsj_optax_cond_ieee": functools.partial(
+        variant_lsj, fused=False, mode="ieee", formulation="cond"
+    ),
+    "lsj_fused_cond_ieee": functools.partial(
+        variant_lsj, fused=True, mode="ieee", formulation="cond"
+    ),
+    "plain_scaled": variant_plain_scaled,
 }
 
 # The GPU results' variant names (``--gpu-results``, results_gpu.json) and the variants they

@@ -1,0 +1,150 @@
+"""A case's steps compiled for a GPU on a machine without one: XLA:GPU's own optimized HLO.
+
+JAX's CUDA plugin compiles for a GPU it is described (``benchmarks/gpu_targets/*.txtpb``:
+compute capability, cores, memory, as ``--xla_gpu_target_config_filename`` takes them) with
+no GPU, driver or CUDA library present: the HLO is what XLA:GPU runs on that GPU, fusion for
+fusion, conditional for conditional, copy for copy (the 20M MLP's kernel counts, plain 10,
+ours 30 and 31, jmp 26, Flax 25, apply_if_finite 24, are the ones an H200 run reported).
+Nothing is timed: the columns are the HLO reader's (``hlo.hlo_stats``), the same as a GPU
+run's. The plugin is installed in an environment of its own (installed beside the test
+suite's JAX, it announces at every import that it found no CUDA): ``PLUGIN``.
+
+The library's steps are traced with the formulation the GPU takes (``_skip.BY_PLATFORM``):
+this process has the CPU platform only, where the library would trace the CPU's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+
+from lossscale_jax import _skip  # the GPU's formulation, traced in a CPU-only process
+
+from .hlo import hlo_stats, shape_strings
+from .prototypes import tracing
+from .variants import VARIANTS
+from .workloads import build_case, check_case, param_count
+
+TARGETS_DIR = Path(__file__).resolve().parent.parent / "gpu_targets"
+TARGETS = {"h100": "h100.txtpb"}
+PLUGIN = f"jax-cuda12-plugin=={jax.__version__}"
+COMPILED = (
+    "plain",
+    "plain_scaled",
+    "lsj_optax_ieee",
+    "lsj_fused_ieee",
+    "lsj_fused_cond_ieee",
+    "lsj_headroom_taps",
+    "jmp",
+    "flax",
+    "optax_if_finite",
+)
+COLUMNS = ("conditionals", "param_sized_copies", "param_sized_selects", "kernels", "bytes_moved")
+
+
+def gpu_device(target: str) -> Any:
+    """The one device of a described GPU ``target`` (a key of ``TARGETS``), to compile for."""
+    if target not in TARGETS:
+        raise ValueError(f"--compile-for: unknown GPU {target!r}; choose from {sorted(TARGETS)}.")
+    config = (TARGETS_DIR / TARGETS[target]).read_text()
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology_name=target, topology="1x1x1", target_config=config
+        )
+    except (NotImplementedError, RuntimeError) as e:  # JaxRuntimeError is a RuntimeError
+        raise RuntimeError(
+            f"--compile-for needs JAX's CUDA plugin (no GPU, driver or CUDA library): "
+            f'pip install "{PLUGIN}" in an environment of its own ({e})'
+        ) from e
+    return topology.devices[0]
+
+
+def compile_text(device: Any, name: str, case: Any) -> str:
+    """Variant ``name``'s step of the built ``case``, compiled for ``device`` with its buffers
+    donated (as the benchmark runs it): the optimized HLO text."""
+    full, post, init, _ = VARIANTS[name](case.loss, case.pattern)
+    fn = full if case.kind == "full" else post
+    sharding = SingleDeviceSharding(device)
+
+    def spec(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+    args = jax.tree_util.tree_map(
+        spec, (case.params, jax.eval_shape(init, case.params), *case.args)
+    )
+    # A variant that forces a formulation sets it again inside, which wins.
+    with _skip.formulation(_skip.BY_PLATFORM["cuda"]), tracing(name):
+        traced = jax.jit(fn, donate_argnums=(0, 1)).trace(*args)
+        return traced.lower(lowering_platforms=("cuda",)).compile().as_text()
+
+
+def compile_for(
+    target: str, cases: Sequence[str], names: Sequence[str], hlo_dir: Path | None, log: Any
+) -> list[dict[str, Any]]:
+    """One row per case and variant: the HLO columns of its step compiled for ``target``;
+    each step's HLO text in ``hlo_dir`` (``case__variant.txt``, ``/`` as ``_``) if given."""
+    device = gpu_device(target)
+    for case in cases:
+        check_case(case)
+    rows = []
+    for case_name in cases:
+        case = build_case(case_name)
+        shapes = shape_strings(case.params)
+        for name in names:
+            text = compile_text(device, name, case)
+            if hlo_dir is not None:
+                hlo_dir.mkdir(parents=True, exist_ok=True)
+                (hlo_dir / f"{case_name.replace('/', '_')}__{name}.txt").write_text(text)
+            stats = hlo_stats(text, shapes)
+            row = {"case": case_name, "variant": name, "params": param_count(case.workload)}
+            rows.append(row | {k: stats[k] for k in COLUMNS})
+            log(f"  {case_name} {name:22s} " + " ".join(f"{k} {stats[k]}" for k in COLUMNS))
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], target: str, command: str) -> str:
+    """The table per case: the columns, bytes per parameter and bytes against plain's."""
+    lines = [
+        "<!-- Generated by benchmarks/bench_step.py --compile-for; do not edit by hand. -->",
+        f"# Steps compiled for one {target.upper()} (XLA:GPU, no GPU used)",
+        "",
+        f"Command: `{command}`; jax {jax.__version__}, the buffers donated. `moved`: the "
+        "bytes the step reads and writes, estimated from the HLO (a conditional's costlier "
+        "branch); `copies`, `selects`: of parameter-sized arrays; `kernels`: fusions.",
+    ]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case]
+        plain = next((r["bytes_moved"] for r in mine if r["variant"] == "plain"), None)
+        lines += [
+            "",
+            f"## {case} ({mine[0]['params'] / 1e6:.1f}M params)",
+            "",
+            "| variant | conditionals | copies | selects | kernels | moved B/param "
+            "| moved x plain |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in mine:
+            ratio = f"{r['bytes_moved'] / plain:.3f}" if plain else "-"
+            lines.append(
+                f"| {r['variant']} | {r['conditionals']} | {r['param_sized_copies']} | "
+                f"{r['param_sized_selects']} | {r['kernels']} | "
+                f"{r['bytes_moved'] / r['params']:.1f} | {ratio} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict[str, Any]], target: str, command: str, out: Path) -> Path:
+    """``out/compiled_<target>.json`` and ``.md``; returns the JSON's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"compiled_{target}.json"
+    meta = {"target": target, "jax": jax.__version__, "command": command, "donated": True}
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(rows, target, command))
+    return path
