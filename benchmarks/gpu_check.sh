@@ -9,7 +9,9 @@
 #      and plain_scaled against plain, with the optimized HLO of every step kept for reading
 #      afterwards                                                    -> select.json, .md,
 #                                                                       hlo.tar.gz
-#   4. the test suite on the GPU (make test-gpu)                     -> tests.log
+#   4. what plain's float16 backward pass loses to underflow (--underflow), for the whole
+#      step's ~4%                                                     -> tests.log
+#   5. the test suite on the GPU (make test-gpu)                     -> tests.log
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]
 # Eight files land in OUTDIR; SECONDS (default 540) bounds the whole run: each part gets what
@@ -75,7 +77,11 @@ done
 # The optimized modules only (the steps, their names as the benchmark jits them).
 pack hlo '*after_optimizations.txt' hlo.tar.gz
 
-echo "== 4. the test suite ($(left) s left)" | tee -a "$out/tests.log"
+echo "== 4. underflow in plain's backward pass ($(left) s left)" | tee -a "$out/tests.log"
+timeout "$(left)" python benchmarks/bench_step.py --underflow --cases "${cases[0]}" \
+    --out "$work/underflow" 2>&1 | tail -n 5 >> "$out/tests.log"
+
+echo "== 5. the test suite ($(left) s left)" | tee -a "$out/tests.log"
 if (($(left) > 30)); then
     timeout "$(left)" "${tests[@]}" 2>&1 | tail -n 150 >> "$out/tests.log"
     echo "suite exit status: ${PIPESTATUS[0]} (124: cut at the budget)" >> "$out/tests.log"

@@ -757,3 +757,76 @@ def test_benchmark_profile_writes_kernels_and_traces(tmp_path):
     assert all(m["us"] > 0 for m in case["lsj_fused_ieee"]["more_than_plain"])
     traces = sorted(p.parent.parent.parent.parent.name for p in out.rglob("perfetto_trace*"))
     assert traces == [f"tiny_in_out_fp16grad_post.{v}" for v in ("lsj_fused_ieee", "plain")]
+
+
+def test_underflow_counts_the_entries_the_unscaled_backward_pass_loses(tmp_path):
+    """``--underflow``: entries zero in the plain step's float16 gradient and not in the scaled
+    one, on a loss whose gradient is known: ``sum(p * c)``, so the float16 gradient is ``c``
+    (times the scale) rounded to float16. 1e-8 is below half float16's smallest subnormal
+    (2^-24 / 2): zero unscaled, 4.1e-5 scaled by 2^12; 1e-3 survives both, 0 is zero in both."""
+    underflow = import_benchmark("underflow")
+    c = np.array([1e-8, 1e-8, 1e-8, 1e-3, 1e-3, 0.0], np.float32)
+
+    def loss(p16, x, y):
+        return jnp.sum(p16["a"].astype(jnp.float32) * c)
+
+    params = {"a": jnp.ones(6, jnp.float32)}
+    case = workloads.Case("t", "in_out", "fp16grad", "full", params, loss, (None, None))
+    got = underflow.lost_entries(case)
+    assert (got["size"], got["lost"], got["fraction"]) == (6, 3, 0.5)
+    assert got["leaves"] == [
+        {"leaf": "['a']", "size": 6, "lost": 3, "zero_plain": 4, "zero_scaled": 1}
+    ]
+    with pytest.raises(ValueError, match="full step"):
+        underflow.lost_entries(case._replace(kind="post"))
+    rows = cli.main(["--underflow", "--cases", "tiny/in_out/fp16grad/full", "--out", str(tmp_path)])
+    assert rows[0]["size"] == workloads.param_count("tiny") == 4856
+    assert json.loads((tmp_path / "underflow.json").read_text())["rows"] == rows
+
+
+def test_the_committed_h100_program_is_the_select_and_the_docs_quote_it(tmp_path):
+    """benchmarks/compiled_h100.json (``--compile-for h100``): the library's steps as XLA:GPU
+    compiles them have no conditional and no parameter-sized copy, the conditional forced
+    copies every parameter and both moments twice (2 x 3 per leaf, 75 leaves); the docs' block
+    and compiled_h100.md are what ``--render`` makes of it."""
+    saved = json.loads((ROOT / "benchmarks" / "compiled_h100.json").read_text())
+    rows = {(r["case"].split("/")[-1], r["variant"]): r for r in saved["rows"]}
+    for step in ("full", "post"):
+        for name in ("lsj_optax_ieee", "lsj_fused_ieee", "lsj_headroom_taps"):
+            r = rows[(step, name)]
+            assert r["conditionals"] == r["param_sized_copies"] == 0, r
+        forced = rows[(step, "lsj_fused_cond_ieee")]
+        assert forced["conditionals"] == 1 and forced["param_sized_copies"] == 2 * 3 * 75
+    summary = import_benchmark("deviceless").summary
+    text = (ROOT / "docs" / "performance.md").read_text()
+    block = summary(saved["rows"], "h100", saved["meta"]["jax"])
+    assert report.replace_block(text, "compiled_h100", block) == text
+    shutil.copy(ROOT / "benchmarks" / "compiled_h100.json", tmp_path)
+    cli.main(["--compile-for", "h100", "--render", "--out", str(tmp_path)])
+    md = (ROOT / "benchmarks" / "compiled_h100.md").read_text()
+    assert (tmp_path / "compiled_h100.md").read_text() == md
+
+
+@pytest.mark.slow
+def test_underflow_of_the_logits_gradient_against_numpy(monkeypatch):
+    """``logits_lost`` on a language model whose logits' gradient underflows as the 185M one's
+    does (vocabulary 32768, 8 x 1024 tokens: ``(softmax - onehot) / 8192`` per logit, about
+    3.7e-9 where the softmax is near uniform, below float16's smallest subnormal), against the
+    same gradient in NumPy: float32 softmax of the model's float16 logits, rounded to float16."""
+    underflow = import_benchmark("underflow")
+    spec = {"kind": "lm", "vocab": 32768, "d": 32, "layers": 1, "heads": 2, "seq": 1024, "batch": 8}
+    monkeypatch.setitem(workloads.WORKLOADS, "lm_wide", spec)
+    case = workloads.build_case("lm_wide/in_out/fp16grad/full")
+    got = underflow.logits_lost(case)
+    tokens, targets = case.args
+    logits = np.asarray(workloads.make_lm_forward(spec)(workloads.to16(case.params), tokens[:1]))
+    z = logits.astype(np.float64)[0]
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p[np.arange(1024), np.asarray(targets[0])] -= 1.0
+    zero = np.sum((p / (8 * 1024)).astype(np.float32).astype(np.float16) == 0)
+    assert got["size"] == 1024 * 32768 and got["zero_scaled"] == 0
+    assert got["zero_plain"] > 0.99 * got["size"]  # all but the targets and a few large ones
+    assert abs(got["zero_plain"] - zero) <= 1e-5 * got["size"], (got, zero)  # rounding ties
+    with pytest.raises(ValueError, match="language model's full step"):
+        underflow.logits_lost(workloads.build_case("tiny/in_out/fp16grad/full"))

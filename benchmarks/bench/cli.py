@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import optax
 
-from . import deviceless
+from . import deviceless, underflow
 from .breakdowns import check_report, compile_report
 from .harness import (
     ALLOCATORS,
@@ -40,7 +40,16 @@ from .harness import (
     run_here,
 )
 from .profiling import profile
-from .report import HEADLINE, gpu_markdown, gpu_results, markdown, targets, update_docs
+from .report import (
+    DOC_PAGES,
+    HEADLINE,
+    gpu_markdown,
+    gpu_results,
+    markdown,
+    replace_block,
+    targets,
+    update_docs,
+)
 from .variants import DEFAULT_VARIANTS, GPU_VARIANTS, VARIANTS, missing_package
 from .workloads import DEFAULT_CASES, GPU_CASES, QUICK_CASES, check_case
 
@@ -96,6 +105,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no timing, no GPU: --cases x --variants (default: the GPU cases; plain, "
         "plain_scaled, ours, the conditional forced, the peers) compiled for the described GPU "
         "(h100) by JAX's CUDA plugin; writes compiled_GPU.json and .md into --out",
+    )
+    ap.add_argument(
+        "--underflow",
+        nargs="?",
+        const="all",
+        default=None,
+        choices=("all", "logits"),
+        help="no timing: the gradient entries the plain step's float16 backward pass loses to "
+        "underflow on --cases (default: the GPU cases' full step), and a language model's "
+        "logits' gradient (logits: that only, which fits a CPU); underflow.json into --out",
     )
     ap.add_argument(
         "--hlo-dir",
@@ -170,6 +189,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return profile_main(args)
     if args.compile_for:
         return compile_main(args, argv)
+    if args.underflow:
+        cases = args.cases or [c for c in GPU_CASES if c.endswith("/full")]
+        checked = _cases_and_variants(cases, [])[0]
+        return underflow.report(checked, Path(args.out), log, args.underflow == "all")
     cases, variants = _cases_and_variants(
         args.cases or list(QUICK_CASES if args.quick else DEFAULT_CASES),
         args.variants or list(DEFAULT_VARIANTS),
@@ -282,16 +305,31 @@ PROFILED = (
 
 def compile_main(args: argparse.Namespace, argv: list[str] | None) -> list[dict[str, Any]]:
     """``--compile-for GPU``: the HLO columns of each case's variants compiled for that GPU
-    (see ``deviceless``), into ``--out``; every variant, jmp's too (its package is needed)."""
-    cases, variants = _cases_and_variants(
-        args.cases or list(GPU_CASES), args.variants or list(deviceless.COMPILED)
-    )
-    hlo_dir = Path(args.hlo_dir) if args.hlo_dir else None
-    log(f"compiling for {args.compile_for} (XLA:GPU, no GPU): {cases} x {variants}")
-    rows = deviceless.compile_for(args.compile_for, cases, variants, hlo_dir, log)
-    command = " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])])
-    path = deviceless.write(rows, args.compile_for, command, Path(args.out))
+    (see ``deviceless``), into ``--out``; every variant, jmp's too (its package is needed).
+    With ``--render``: the tables again from ``compiled_GPU.json``, nothing compiled."""
+    out = Path(args.out)
+    if args.render:
+        saved = json.loads((out / f"compiled_{args.compile_for}.json").read_text())
+        rows, command, version = saved["rows"], saved["meta"]["command"], saved["meta"]["jax"]
+    else:
+        cases, variants = _cases_and_variants(
+            args.cases or list(GPU_CASES), args.variants or list(deviceless.COMPILED)
+        )
+        hlo_dir = Path(args.hlo_dir) if args.hlo_dir else None
+        log(f"compiling for {args.compile_for} (XLA:GPU, no GPU): {cases} x {variants}")
+        rows = deviceless.compile_for(args.compile_for, cases, variants, hlo_dir, log)
+        command = " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])])
+        version = jax.__version__
+    path = deviceless.write(rows, args.compile_for, command, out, version)
     log(f"wrote {path} and {path.with_suffix('.md')}")
+    if out.resolve() == BENCHMARKS:  # the committed table: the docs quote it
+        doc = DOC_PAGES[0]
+        name = f"compiled_{args.compile_for}"
+        table = deviceless.summary(rows, args.compile_for, version)
+        text = replace_block(doc.read_text(), name, table)
+        if text is not None:
+            doc.write_text(text)
+            log(f"updated the {name} block of {doc}")
     return rows
 
 

@@ -178,10 +178,10 @@ def _attention(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(q.dtype), v)
 
 
-def make_lm_loss(spec: dict[str, Any]) -> Callable:
-    """The language model's loss: a decoder-only transformer in float16 (pre-norm blocks,
-    GELU MLP of width 4d, the embedding tied to the output), mean cross-entropy of the next
-    token in float32. Each block's output is a layer tap (``lsj.tap``)."""
+def make_lm_forward(spec: dict[str, Any]) -> Callable:
+    """The language model: ``forward(p16, tokens)``, the logits in float16, a decoder-only
+    transformer (pre-norm blocks, GELU MLP of width 4d, the embedding tied to the output).
+    Each block's output is a layer tap (``lsj.tap``)."""
     heads = spec["heads"]
 
     def forward(p, tokens):
@@ -199,9 +199,21 @@ def make_lm_loss(spec: dict[str, Any]) -> Callable:
             h = lsj.tap(h, f"block{i:02d}")
         return _layernorm(h, p["lnf"]) @ p["emb"].T
 
+    return forward
+
+
+def lm_loss_of_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of the next token, in float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(F32), targets).mean()
+
+
+def make_lm_loss(spec: dict[str, Any]) -> Callable:
+    """The language model's loss (``make_lm_forward``): the mean cross-entropy of the next
+    token in float32."""
+    forward = make_lm_forward(spec)
+
     def loss(p16, tokens, targets):
-        logits = forward(p16, tokens).astype(F32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return lm_loss_of_logits(forward(p16, tokens), targets)
 
     return loss
 
