@@ -12,7 +12,9 @@ file changes and nothing else does:
   transformation and the engine's check and decision), from which the Optax-path
   prototypes rebuild the step (``loss_scaling_parts``);
 - ``numerics.overflow_flags``, the per-leaf record the compile-time skeleton checks with
-  (``leaf_overflow_vector``).
+  (``leaf_overflow_vector``);
+- ``_skip.formulation`` and ``_skip.BY_PLATFORM``: the skip's formulation forced while a step
+  is traced (``skip_formulation``), and the one a platform takes (``formulation_of``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax import _check, _engine, numerics
+from lossscale_jax import _check, _engine, _skip, numerics
 
 #: ``(leaves, mode, threshold) -> [one scalar bool per leaf]``: an overflow check that
 #: measures no range.
@@ -78,3 +80,13 @@ def leaf_overflow_vector(grads: Any) -> jax.Array:
     """One ``bool`` per leaf of ``grads`` (``tree_leaves`` order): what ``loss_scaling`` checks
     and records as ``leaf_overflow``."""
     return jnp.stack(jax.tree_util.tree_leaves(numerics.overflow_flags(grads)))
+
+
+def skip_formulation(name: str) -> contextlib.AbstractContextManager[None]:
+    """Steps traced inside skip with ``name`` (``"cond"`` or ``"select"``) on every backend."""
+    return _skip.formulation(name)
+
+
+def formulation_of(platform: str) -> str:
+    """The skip's formulation ``platform`` (``"cpu"``, ``"cuda"``, ...) takes."""
+    return _skip.BY_PLATFORM.get(platform, "cond")

@@ -215,6 +215,17 @@ def markers(name: str) -> tuple[str, str]:
     return f"<!-- bench_step.py: {name} begin -->", f"<!-- bench_step.py: {name} end -->"
 
 
+def replace_block(text: str, name: str, body: str) -> str | None:
+    """``text`` with the block marked ``name`` holding ``body``; None where it has no such
+    block."""
+    begin, end = markers(name)
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + begin + "\n" + body + "\n" + end + tail
+
+
 def headline(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The headline tables docs/performance.md quotes, from the same rows as results.md."""
     rows = latency(rows)
@@ -336,11 +347,9 @@ def _update_page(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -
             + compile_table(meta["compile_report"])
         )
     for name, body in blocks.items():
-        begin, end = markers(name)
-        if begin in text and end in text:
-            head, rest = text.split(begin, 1)
-            _, tail = rest.split(end, 1)
-            text = head + begin + "\n" + body + "\n" + end + tail
+        new = replace_block(text, name, body)
+        if new is not None:
+            text = new
             done.append(name)
     path.write_text(text)
     return done

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import optax
 
 import lossscale_jax as lsj
-from lossscale_jax import _skip  # the skip's formulations, measured one against the other
 
+from ._library import skip_formulation
 from .prototypes import PROTOTYPES
 from .workloads import F32, INIT_SCALE, LR, cast_like, to16, value_and_grads
 
@@ -107,7 +107,7 @@ def variant_lsj(loss, pattern, *, fused: bool, mode: str, step=None, policy=None
     def post(params, state, grads):
         if formulation is None:
             return library_post(params, state, grads)
-        with _skip.formulation(formulation):  # read while the step is traced
+        with skip_formulation(formulation):  # read while the step is traced
             return library_post(params, state, grads)
 
     def scale_in(state):
