@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
 
-# The whole suite (CI runs this): about 4-5 minutes on 2 cores.
+# The whole suite (CI runs this): about 7 minutes on 2 cores.
 test: $(STAMP)
 	$(PYTEST)
 

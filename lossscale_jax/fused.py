@@ -23,16 +23,18 @@ def apply_gradients(
 ) -> tuple[optax.Params, LossScalingState]:
     """One loss-scaled optimizer step with the update applied inside the skip conditional.
 
-    The same step as ``tx.update`` followed by ``optax.apply_updates``, bit for
-    bit, without materialising the update tree: on a good step the inner
-    update and ``params + updates`` run in one branch that XLA fuses, so the
-    scaler costs about one extra read of the gradients (the overflow check).
+    The same step as ``tx.update`` followed by ``optax.apply_updates`` (bit
+    for bit on XLA:CPU; a GPU compiles each on its own, and may contract a
+    multiply and an add differently: 1 float32 ulp was seen), without
+    materialising the update tree: on a good step the inner update and
+    ``params + updates`` run in one branch that XLA fuses, so the scaler costs
+    about one extra read of the gradients (the overflow check).
 
     Rule::
 
       overflow = any(overflow(grads)) over axis_name     # one read of grads
       loss_scale = policy.adjust(loss_scale, overflow)
-      if not loss_scale.last_skipped:                    # one lax.cond
+      if not loss_scale.last_skipped:                    # one lax.cond (GPU: a select)
           updates, inner_state = inner.update(grads / scale, inner_state, params)
           params = optax.apply_updates(params, updates)
       # else: params and inner_state are returned as they were

@@ -68,7 +68,7 @@ def loss_scaling(
       overflow = any(flags) over axis_name              # one collective
       leaf_overflow = flags                             # (ORed over axis_name if "reduced")
       loss_scale = policy.adjust(loss_scale, overflow)
-      if not loss_scale.last_skipped:                   # lax.cond, good branch first
+      if not loss_scale.last_skipped:                   # lax.cond (a select on a GPU)
           grads = unscale(scaled_grads, scale, params)
           updates, inner_state = inner.update(grads, inner_state, params)
       else:
