@@ -251,12 +251,21 @@ def cond(pred: jax.Array, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
     Elsewhere (``jit``, ``pmap``, ``shard_map(check_vma=False)``) it is
     ``lax.cond`` itself: nothing is added to the step.
     """
-    if not any(tracks_varying(a) for a in manual_axes()):
-        return lax.cond(pred, true_fun, false_fun, *operands)
-    shapes = [jax.eval_shape(f, *operands) for f in (true_fun, false_fun)]
+    true_fun, false_fun = match_varying([true_fun, false_fun], *operands)
+    return lax.cond(pred, true_fun, false_fun, *operands)
 
-    def union(a: Any, b: Any) -> frozenset:
-        return (varying_axes(a) or frozenset()) | (varying_axes(b) or frozenset())
+
+def match_varying(fns: list[Any], *operands: Any) -> list[Any]:
+    """``fns`` (alternatives on ``operands``, as the branches of a ``lax.cond`` or
+    ``platform_dependent``), each output marked varying over the union of the
+    ``shard_map`` axes any of them varies over there; ``fns`` themselves where no
+    axis tracks what varies."""
+    if not any(tracks_varying(a) for a in manual_axes()):
+        return fns
+    shapes = [jax.eval_shape(f, *operands) for f in fns]
+
+    def union(*outs: Any) -> frozenset:
+        return frozenset().union(*(varying_axes(o) or frozenset() for o in outs))
 
     want = jax.tree_util.tree_map(union, *shapes)
 
@@ -268,7 +277,7 @@ def cond(pred: jax.Array, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
 
         return branch
 
-    return lax.cond(pred, matched(true_fun), matched(false_fun), *operands)
+    return [matched(f) for f in fns]
 
 
 def pcast_to(x: Any, axes: frozenset) -> Any:

@@ -35,6 +35,8 @@ import jax
 import jax.extend.backend as jex_backend
 import jax.numpy as jnp
 
+from lossscale_jax._devices import match_varying
+
 FORMULATIONS = ("cond", "select")
 
 BY_PLATFORM: dict[str, str] = {"cpu": "cond", "cuda": "select", "rocm": "select", "tpu": "cond"}
@@ -106,9 +108,11 @@ def choose(
     # One branch per formulation: the platforms that take "cond" (and any platform not in
     # the table) share the default branch, the others one branch each formulation, so
     # platform_dependent traces each formulation once.
-    branches = {
-        name: (lambda *a, f=impls[name]: f(pred, true_fun, false_fun, *a)) for name in FORMULATIONS
-    }
+    formulations = [
+        (lambda *a, f=impls[name]: f(pred, true_fun, false_fun, *a)) for name in FORMULATIONS
+    ]
+    # Under shard_map the platforms' branches must agree in what varies over its axes too.
+    branches = dict(zip(FORMULATIONS, match_varying(formulations, *operands), strict=True))
     per_platform = {
         platform: branches[name] for platform, name in BY_PLATFORM.items() if name != "cond"
     }

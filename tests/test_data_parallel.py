@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from reference_scalers import ReferenceDynamic
 
 import lossscale_jax as lsj
+from lossscale_jax import _skip  # which formulations a process traces
 
 # Slow (make test-fast leaves it out): pmap, shard_map and sharded jit on 8 devices, and 2
 # processes.
@@ -293,8 +294,9 @@ def test_saturated_values_that_cancel_in_the_mean_still_skip(mapper, mode):
 # A missing axis_name is refused when the update is traced (what JAX lets it see).
 
 
-def _shard_map_update(tx, *, average_first=False, check_vma=True):
-    """The update under shard_map over AXIS, on each device's gradients (or their mean)."""
+def _shard_map_update(tx, *, average_first=False, check_vma=True, values=None):
+    """The update under shard_map over AXIS, on each device's gradients (or their mean):
+    ``values`` (N, 3, 2), ones by default."""
     mesh = jax.make_mesh((N,), (AXIS,), devices=jax.devices()[:N])
 
     def body(params, opt_state, g):
@@ -310,9 +312,27 @@ def _shard_map_update(tx, *, average_first=False, check_vma=True):
             body, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(AXIS), check_vma=check_vma
         )
     )
-    grads = local_grads(np.ones((N, 3, 2)))
+    grads = local_grads(np.ones((N, 3, 2)) if values is None else values)
     grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
     return lambda: fn(PARAMS, tx.init(PARAMS), grads)
+
+
+def test_a_process_with_a_gpu_traces_both_skips_under_shard_map(monkeypatch):
+    """A process whose platforms skip differently (a GPU beside the CPU: ``_skip.here``) traces
+    the conditional and the select, and ``platform_dependent`` needs them to agree in what
+    varies over shard_map's axes: with each device deciding for itself (``local_axes``), the
+    select's outputs vary over the axis where the conditional's need not. The step runs, and
+    gives the bits the conditional alone gives: device 0 skips its inf, the others step."""
+    values = np.ones((N, 3, 2))
+    values[0, 1, 1] = np.inf
+    local = lsj.loss_scaling(optax.adam(LR), lsj.DynamicScale(), local_axes=AXIS)
+    want = _shard_map_update(local, values=values)()
+    monkeypatch.setattr(_skip, "here", lambda: {"cond", "select"})
+    got = _shard_map_update(local, values=values)()
+    skipped = np.asarray(got[1].loss_scale.last_skipped)
+    assert skipped[0] and not skipped[1:].any(), skipped
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_missing_axis_name_is_refused_where_jax_shows_the_axis():
