@@ -429,7 +429,8 @@ def param_ulps(front: FrontEnd) -> int:
     differences do not add up over windows). Everything else, the loss-scale state, the
     counters and the gradient handed to the inner transformation included, stays bit for bit.
     """
-    formulation = _skip.current() or _skip.BY_PLATFORM.get(jax.default_backend(), "cond")
+    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())  # or rocm: alike
+    formulation = _skip.current() or _skip.BY_PLATFORM.get(platform, "cond")
     return 2 if front.every_k > 1 and formulation == "select" else 0
 
 
