@@ -112,7 +112,8 @@ def choose(
         (lambda *a, f=impls[name]: f(pred, true_fun, false_fun, *a)) for name in FORMULATIONS
     ]
     # Under shard_map the platforms' branches must agree in what varies over its axes too.
-    branches = dict(zip(FORMULATIONS, match_varying(formulations, *operands), strict=True))
+    matched = match_varying(formulations, *operands)
+    branches: dict[str, Callable[..., Any]] = dict(zip(FORMULATIONS, matched, strict=True))
     per_platform = {
         platform: branches[name] for platform, name in BY_PLATFORM.items() if name != "cond"
     }
