@@ -329,7 +329,7 @@ class Engine:
         """
         # A skipped step in a good one's dtypes.
         skip = _skip.as_good(good, skip, operands, good_shapes)
-        return _skip.choose(_devices.cond, apply, good, skip, *operands)
+        return _skip.choose(apply, good, skip, *operands)
 
     @staticmethod
     def unscale(grads: Any, scale: jax.Array, params: Any = None) -> Any:

@@ -35,7 +35,7 @@ import jax
 import jax.extend.backend as jex_backend
 import jax.numpy as jnp
 
-from lossscale_jax._devices import match_varying
+from lossscale_jax._devices import cond, match_varying
 
 FORMULATIONS = ("cond", "select")
 
@@ -90,14 +90,11 @@ def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *op
 
 
 def choose(
-    cond: Callable[..., Any],
-    pred: jax.Array,
-    true_fun: Callable[..., Any],
-    false_fun: Callable[..., Any],
-    *operands: Any,
+    pred: jax.Array, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any
 ) -> Any:
     """``true_fun(*operands) if pred else false_fun(*operands)``, in the formulation the
-    override or the platform gives; ``cond`` is the conditional to use for ``"cond"``."""
+    override or the platform gives (``"cond"``: ``_devices.cond``, ``lax.cond`` with its
+    branches matched under ``shard_map``)."""
     impls = {"cond": cond, "select": select_outputs}
     forced = current()
     if forced is not None:

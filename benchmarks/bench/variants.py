@@ -62,7 +62,7 @@ def variant_plain_scaled(loss, pattern):
     times its inverse as they are cast (exact: a power of two), then plain's Adam; no check, no
     skip, no state. Beside plain, it tells what the scaled backward pass costs by itself:
     plain's float16 backward pass loses most of the logits' gradient to underflow (zeros), a
-    scaled one computes on the values (docs/performance.md, "The whole step")."""
+    scaled one computes on the values (docs/performance.md, "On a GPU")."""
     adam = optax.adam(LR)
     inverse = 1.0 / INIT_SCALE
 
