@@ -301,11 +301,16 @@ class Engine:
             segments = jnp.logical_or(window.segments, segments)
         return Check(jnp.logical_or(window.overflow, this.overflow), flags, amax, segments)
 
-    def decide(self, loss_scale: LossScaleState, check: Check) -> tuple[LossScaleState, jax.Array]:
+    def decide(
+        self, loss_scale: LossScaleState, check: Check, when: jax.Array | None = None
+    ) -> tuple[LossScaleState, jax.Array]:
         """``(new loss-scale state, apply)``: the policy's step, and whether to apply.
 
         ``apply`` is ``not new_state.last_skipped``. With ``on_stuck="error"`` a
-        ``checkify`` check fails when the step is stuck.
+        ``checkify`` check fails when the step is stuck (and ``when`` is true: a window's
+        end, for a front-end that decides on every call and keeps the decision only there).
+        Called outside the skip's branches, so that the check is not run on steps that
+        apply nothing (a select computes both branches).
         """
         if self.policy.measures_range:
             new = self.policy.adjust(loss_scale, check.overflow, check.amax)
@@ -313,7 +318,7 @@ class Engine:
             # No amax for a policy that does not read it: a user's policy written with
             # adjust(state, overflow) keeps working.
             new = self.policy.adjust(loss_scale, check.overflow)
-        stuck.check_stuck(new, self.on_stuck)
+        stuck.check_stuck(new, self.on_stuck, when)
         return new, jnp.logical_not(new.last_skipped)
 
     @staticmethod

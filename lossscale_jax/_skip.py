@@ -17,17 +17,28 @@ Two formulations of ``good(*operands) if apply else skip(*operands)``:
 Both give the same values on every step (the skip branch's outputs are constants or the
 operands as they were; the good branch's are selected whole), and the property test runs
 the engine's front-ends under each (``tests/test_engine_properties.py``). Which one a backend
-gets is :data:`BY_PLATFORM`; :func:`formulation` overrides it while a step is traced (the
-tests and the benchmark use it to measure one against the other). In a process whose
-platforms take different formulations (a GPU and the CPU), ``jax.lax.platform_dependent``
-picks at lowering, so one traced step serves them all; a CPU-only process traces the
-conditional alone (:func:`here`).
+gets is :data:`BY_PLATFORM`. Two overrides, read while a step is traced: the environment
+variable ``LOSSSCALE_JAX_SKIP`` (:data:`ENV`: ``cond`` or ``select`` on every backend; CI runs
+the stepping tests under ``select`` on CPU, so the GPU's formulation runs on every change) and,
+inside the library's tests and benchmark, :func:`formulation`, which takes precedence. In a
+process whose platforms take different formulations (a GPU and the CPU),
+``jax.lax.platform_dependent`` picks at lowering, so one traced step serves them all; a
+CPU-only process traces the conditional alone (:func:`here`).
+
+Effects stay with the steps that apply. A select computes the good branch on every step, so
+anything with an effect in it (a ``checkify`` check, a ``jax.debug.print`` or callback, an
+inner transformation's own effects) would happen on skipped steps too. A decision whose
+branches have effects (``jax.make_jaxpr(branch).effects``) is therefore taken with
+``lax.cond`` on every backend (:func:`choose`): the effect happens exactly when the branch's
+result is used, at the price of the conditional on a GPU. The library's own check
+(``on_stuck="error"``) is outside the branches, gated by the decision (``stuck.check_stuck``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +49,11 @@ import jax.numpy as jnp
 from lossscale_jax._devices import cond, match_varying
 
 FORMULATIONS = ("cond", "select")
+
+ENV = "LOSSSCALE_JAX_SKIP"
+"""The environment variable that forces one formulation on every backend (``cond`` or
+``select``; unset or empty: each platform's own). Read when a step is traced: set it before
+the process traces its steps (a step traced once keeps what it was traced with)."""
 
 BY_PLATFORM: dict[str, str] = {"cpu": "cond", "cuda": "select", "rocm": "select", "tpu": "cond"}
 """The formulation each platform gets (the module's docstring says why); a platform not
@@ -66,8 +82,24 @@ def formulation(name: str) -> Iterator[None]:
 
 
 def current() -> str | None:
-    """The overriding formulation, or ``None`` (each platform's own)."""
-    return _OVERRIDE.get()
+    """The overriding formulation, or ``None`` (each platform's own): :func:`formulation`'s,
+    else :data:`ENV`'s.
+
+    Raises:
+      ValueError: if :data:`ENV` holds anything but ``cond``, ``select`` or nothing.
+    """
+    forced = _OVERRIDE.get()
+    if forced is not None:
+        return forced
+    value = os.environ.get(ENV, "")
+    if value == "":
+        return None
+    if value not in FORMULATIONS:
+        raise ValueError(
+            f"the environment variable {ENV} must be one of {FORMULATIONS} (or unset, for "
+            f"each platform's own formulation), got {value!r}."
+        )
+    return value
 
 
 def here() -> set[str]:
@@ -89,17 +121,26 @@ def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *op
     return jax.tree_util.tree_map(lambda g, s: jnp.where(pred, g, s), good, skip)
 
 
+def has_effects(fun: Callable[..., Any], *operands: Any) -> bool:
+    """Whether tracing ``fun(*operands)`` records an effect (a ``checkify`` check, a debug
+    print or callback, an ``io_callback``, ...), which a select would run on every step."""
+    return bool(jax.make_jaxpr(fun)(*operands).effects)
+
+
 def choose(
     pred: jax.Array, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any
 ) -> Any:
     """``true_fun(*operands) if pred else false_fun(*operands)``, in the formulation the
     override or the platform gives (``"cond"``: ``_devices.cond``, ``lax.cond`` with its
-    branches matched under ``shard_map``)."""
+    branches matched under ``shard_map``); ``"cond"`` wherever a branch has effects (the
+    module's docstring says why)."""
     impls = {"cond": cond, "select": select_outputs}
     forced = current()
-    if forced is not None:
-        return impls[forced](pred, true_fun, false_fun, *operands)
-    wanted = here()
+    wanted = {forced} if forced is not None else here()
+    if "select" in wanted and (
+        has_effects(true_fun, *operands) or has_effects(false_fun, *operands)
+    ):
+        wanted = {"cond"}
     if len(wanted) == 1:
         return impls[wanted.pop()](pred, true_fun, false_fun, *operands)
     # One branch per formulation: the platforms that take "cond" (and any platform not in

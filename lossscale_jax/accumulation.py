@@ -176,9 +176,12 @@ def loss_scaling_multi_steps(
 
         shapes = jax.eval_shape(inner_update, mean_of(acc), state.inner_state)
         window_range = window.amax if window.amax is not None else state.window_range
+        # The window's decision, taken on every call and kept at the window's end only: outside
+        # the branches, so that its stuck check fires at the end alone under either formulation.
+        at_end = state.mini_step >= every_k - 1
+        loss_scale, apply = engine.decide(state.loss_scale, window, when=at_end)
 
         def finish(acc_tree: Any) -> Any:
-            loss_scale, apply = engine.decide(state.loss_scale, window)
             new_updates, inner_state = inner_or_skip(
                 engine, apply, inner_update, mean_of(acc_tree), state.inner_state, shapes
             )
@@ -205,7 +208,7 @@ def loss_scaling_multi_steps(
                 window_leaf_overflow=window.flags,
             )
 
-        return engine.select(state.mini_step >= every_k - 1, finish, accumulate, acc)
+        return engine.select(at_end, finish, accumulate, acc)
 
     # leaf_overflow may be None (no record): a leafless pytree optax's OptState alias omits.
     return optax.GradientTransformationExtraArgs(

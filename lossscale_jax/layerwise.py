@@ -264,7 +264,9 @@ def layerwise_scaling(
             window = _empty_window(acc, engine.empty_record(params))
         return LayerwiseScalingState(one, seg, inner_state, engine.empty_record(params), window)
 
-    def decide(state: LayerwiseScalingState, check: Any) -> tuple[Any, Any, jax.Array]:
+    def decide(
+        state: LayerwiseScalingState, check: Any, when: jax.Array | None = None
+    ) -> tuple[Any, Any, jax.Array]:
         overflow = check.overflow
         index = jnp.arange(n + 1)
         flagged = jnp.where(check.segments, index, -1)
@@ -298,7 +300,7 @@ def layerwise_scaling(
             growth_count=new.growth_count[n],
             hysteresis_count=jnp.zeros([], jnp.int32),
         )
-        stuck.check_stuck(loss_scale, engine.on_stuck)
+        stuck.check_stuck(loss_scale, engine.on_stuck, when)  # outside the skip (Engine.decide)
         return loss_scale, new, jnp.logical_not(overflow)
 
     def unscale(grads: Any, scales: jax.Array, params: Any) -> Any:
@@ -351,9 +353,10 @@ def layerwise_scaling(
             return inner.update(g, inner_state, params, **extra_args)
 
         shapes = jax.eval_shape(inner_update, mean_of(acc, unscaled, every_k), state.inner_state)
+        at_end = win.mini_step >= every_k - 1
+        loss_scale, new_layers, apply = decide(state, window, when=at_end)
 
         def finish(acc_tree: Any) -> Any:
-            loss_scale, new_layers, apply = decide(state, window)
             mean = mean_of(acc_tree, unscaled, every_k)
             updates, inner_state = inner_or_skip(
                 engine, apply, inner_update, mean, state.inner_state, shapes
@@ -374,7 +377,7 @@ def layerwise_scaling(
             )
             return skip_updates(shapes[0]), state._replace(window=kept)
 
-        return engine.select(win.mini_step >= every_k - 1, finish, accumulate, acc)
+        return engine.select(at_end, finish, accumulate, acc)
 
     def update_fn(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra: Any

@@ -33,14 +33,19 @@ def validate_on_stuck(on_stuck: Any) -> str:
     return on_stuck
 
 
-def check_stuck(loss_scale: LossScaleState, on_stuck: str) -> None:
+def check_stuck(loss_scale: LossScaleState, on_stuck: str, when: Any = None) -> None:
     """Adds a ``checkify`` check that ``loss_scale.stuck`` is False when ``on_stuck="error"``.
 
+    ``when`` (a bool scalar; ``None``: always): the check fails only where it is true, for a
+    state that is kept only on some steps (an accumulation window's end). The check stays
+    outside the step's skip, so it fires on exactly those steps whatever the skip's
+    formulation (a select computes both branches on every step: ``_skip``).
     Traced once; with ``on_stuck="skip"`` it adds nothing to the step.
     """
     if on_stuck == "error":
+        stuck = loss_scale.stuck if when is None else jnp.logical_and(when, loss_scale.stuck)
         checkify.check(
-            jnp.logical_not(loss_scale.stuck),
+            jnp.logical_not(stuck),
             STUCK_MESSAGE,
             scale=loss_scale.scale,
             step=loss_scale.total_steps,
