@@ -15,9 +15,19 @@ Why the remainder is exact: ``n`` is an integer below ``2**12`` and ``q`` is spl
 ``a - hi * n`` subtracts two numbers within a factor of two of each other (Sterbenz's
 lemma) and the last subtraction leaves a multiple of ``lo``'s unit smaller than ``2**24``
 of them. A fused multiply-add a compiler may form from these gives the same exact values.
+
+:func:`ratio_of_counts` divides two step counts of any size (``metrics``' overflow rate) with
+integer operations alone: a long division, exact on every backend by construction.
+
+:func:`skewed` is the test hook that moves the backend's quotient by a few ulps before the
+correction sees it, so a CPU run checks the correction XLA:GPU's approximate division needs.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +40,41 @@ TINY = 2.0**-100
 """Quotients smaller in magnitude are returned as the backend computed them."""
 
 _HIGH_BITS = np.uint32(0xFFFFF000)  # sign, exponent and the top 12 of 24 significant bits
+
+MAX_SKEW = 2
+"""How many ulps :func:`skewed` may move the quotient (what the correction takes)."""
+
+_SKEW: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "lossscale_jax_division_skew", default=0
+)
+# Part of JAX's trace-cache key (a user context, as _skip's override): a step traced with one
+# skew is never reused with another.
+_SKEW_KEY = jax.make_user_context(0)
+
+
+@contextlib.contextmanager
+def skewed(ulps: int) -> Iterator[None]:
+    """Test hook: inside, :func:`divide_by_count` moves the backend's quotient ``ulps`` units
+    in the last place (``-MAX_SKEW`` to ``MAX_SKEW``) before correcting it, as an approximate
+    division (XLA:GPU's) may; the result must not change. Read while a step is traced."""
+    if not isinstance(ulps, int) or isinstance(ulps, bool) or abs(ulps) > MAX_SKEW:
+        raise ValueError(f"ulps must be an int from {-MAX_SKEW} to {MAX_SKEW}, got {ulps!r}.")
+    token = _SKEW.set(ulps)
+    try:
+        with _SKEW_KEY(ulps):
+            yield
+    finally:
+        _SKEW.reset(token)
+
+
+def _moved(q: jax.Array, ulps: int) -> jax.Array:
+    """``q`` moved ``ulps`` ulps, but where the correction keeps it (below ``TINY``: 0 among
+    them, which every backend's division gives exactly)."""
+    toward = jnp.float32(np.inf if ulps > 0 else -np.inf)
+    moved = q
+    for _ in range(abs(ulps)):
+        moved = jnp.nextafter(moved, toward)
+    return jnp.where(jnp.abs(q) < TINY, q, moved)
 
 
 def _remainder(a: jax.Array, q: jax.Array, n: jax.Array) -> jax.Array:
@@ -67,4 +112,56 @@ def divide_by_count(a: jax.Array, n: jax.Array) -> jax.Array:
     of magnitude at least ``TINY``; 0 is exact)."""
     a = jnp.asarray(a, jnp.float32)
     n = jnp.asarray(n).astype(jnp.float32)
-    return correct_quotient(a, n, a / n)
+    q = a / n
+    skew = _SKEW.get()
+    if skew:
+        q = _moved(q, skew)
+    return correct_quotient(a, n, q)
+
+
+_SIGNIFICAND_BITS = 24  # float32's, the leading one included
+
+
+@jax.jit  # one program when called outside a step (metrics, read eagerly), not ~100 ops
+def ratio_of_counts(a: jax.Array, n: jax.Array) -> jax.Array:
+    """``float32(a) / float32(n)`` rounded once (IEEE: to nearest, ties to even), for integer
+    counts ``0 <= a <= n``, ``n >= 1`` (int32, any size), from integer operations alone: the
+    same bits on every backend. Elementwise.
+
+    Rule (uint32 throughout; ``A``, ``N``: the counts as float32 values, which are integers
+    below ``2**31 + 1``)::
+
+      s = clz(A) - clz(N); r = A << s; if r < N: r, s = 2 r, s + 1   # N <= r < 2 N
+      bits = 1; r -= N                                  # the quotient's leading one: 2**-s
+      repeat 24 times: r = 2 r; bit = r >= N; r -= bit * N; bits = 2 bits + bit
+      m, round_bit = bits >> 1, bits & 1                # 24 significant bits and the next one
+      m += round_bit and (r != 0 or m odd)              # to nearest, ties to even
+      quotient = m * 2**-(s + 23)                       # exact: m <= 2**24
+
+    ``r < N <= 2**31`` keeps ``2 r`` within uint32. ``A == 0`` gives 0; ``a > n`` (never in a
+    state the library wrote) is divided by the backend.
+    """
+    f32, u32 = jnp.float32, jnp.uint32
+    a_f = jnp.asarray(a).astype(f32)
+    n_f = jnp.maximum(jnp.asarray(n).astype(f32), f32(1.0))
+    big_a, big_n = a_f.astype(u32), n_f.astype(u32)
+    safe_a = jnp.maximum(jnp.minimum(big_a, big_n), u32(1))  # 1 <= A <= N for the division
+    s = (jax.lax.clz(safe_a) - jax.lax.clz(big_n)).astype(u32)
+    r = jnp.left_shift(safe_a, s)
+    low = r < big_n
+    r = jnp.where(low, jnp.left_shift(r, u32(1)), r)
+    s = jnp.where(low, s + u32(1), s)
+    r = r - big_n
+    bits = jnp.ones_like(r)
+    for _ in range(_SIGNIFICAND_BITS):
+        r = jnp.left_shift(r, u32(1))
+        bit = r >= big_n
+        r = jnp.where(bit, r - big_n, r)
+        bits = jnp.left_shift(bits, u32(1)) | bit.astype(u32)
+    m, round_bit = jnp.right_shift(bits, u32(1)), (bits & u32(1)) == 1
+    up = round_bit & ((r != 0) | ((m & u32(1)) == 1))
+    m = m + up.astype(u32)
+    # 2**-(s + 23) for s <= 32: a normal float32, built from its exponent bits.
+    scale = jax.lax.bitcast_convert_type((u32(127 - 23) - s) << u32(23), f32)
+    exact = m.astype(f32) * scale
+    return jnp.where(big_a == 0, f32(0.0), jnp.where(big_a <= big_n, exact, a_f / n_f))

@@ -9,6 +9,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale_jax._division import ratio_of_counts
 from lossscale_jax._nesting import locate
 
 
@@ -22,7 +23,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       overflowed with the scale already at its floor);
     - ``total_steps``, ``overflow_steps``, ``skipped_steps`` (int32);
     - ``overflow_rate`` (float32): ``overflow_steps / total_steps``, 0 before
-      the first step;
+      the first step (rounded once, as IEEE divides, on every backend);
     - ``recent_overflow_rate`` (float32): the fraction of recent steps that
       overflowed (``LossScaleState.recent_overflow_rate``). For the first 2000
       steps it is ``overflow_rate`` (the mean so far); after that an
@@ -75,8 +76,10 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       (1, 1)
     """
     s, owner = locate(opt_state)
-    total = s.total_steps.astype(jnp.float32)
-    rate = jnp.where(total > 0, s.overflow_steps.astype(jnp.float32) / jnp.maximum(total, 1.0), 0.0)
+    # Rounded once, with integer operations: the same bits on every backend (_division).
+    rate = jnp.where(
+        s.total_steps > 0, ratio_of_counts(s.overflow_steps, s.total_steps), jnp.float32(0.0)
+    )
     out = {
         "loss_scale": s.scale,
         "overflow": s.last_overflow,

@@ -52,3 +52,69 @@ def test_a_quotient_ulps_off_is_corrected(ulps):
 def test_the_rates_divisors_fit():
     assert RECENT_STEPS <= _division.MAX_COUNT
     assert MAX_COUNT == _division.MAX_COUNT
+
+
+def count_pairs():
+    """Step counts as the state holds them: int32, any size, ``overflows <= steps``."""
+    rng = np.random.default_rng(1)
+    steps = np.concatenate(
+        [
+            rng.integers(1, 5000, 3000),
+            rng.integers(1, 2**31 - 1, 3000),
+            2 ** rng.integers(0, 31, 200),
+            [1, 2, 3, 7, 2**24 - 1, 2**24, 2**24 + 1, 2**31 - 1, 2**31 - 1],
+        ]
+    ).astype(np.int32)
+    overflows = (rng.random(steps.size) * (steps.astype(np.float64) + 1)).astype(np.int64)
+    overflows = np.minimum(overflows, steps).astype(np.int32)
+    overflows[-9:] = [1, 1, 3, 3, 2**24 - 3, 2**24 - 1, 2**23 + 1, 2**31 - 1, 2**30 + 1]
+    overflows[:10] = 0
+    overflows[10:20] = steps[10:20]  # a rate of 1
+    return overflows, steps
+
+
+def test_ratio_of_counts_is_numpys_float32_division():
+    a, n = count_pairs()
+    got = np.asarray(jax.jit(_division.ratio_of_counts)(a, n))
+    want = (a.astype(np.float32) / n.astype(np.float32)).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert got.dtype == np.float32
+    # 3 / 7: the quotient XLA:GPU's approximate division gave one ulp high (0.42857146)
+    assert float(_division.ratio_of_counts(np.int32(3), np.int32(7))) == float(
+        np.float32(3) / np.float32(7)
+    )
+
+
+def test_ratio_of_counts_rounds_both_ways():
+    # The pairs above take both of the rounding's paths: quotients rounded up (the bit after
+    # the 24th is set) and truncated, each many times, so neither path goes untested.
+    a, n = count_pairs()
+    keep = (a > 0) & (a < n)
+    a, n = a[keep].astype(np.float64), n[keep].astype(np.float64)
+    a32, n32 = a.astype(np.float32).astype(np.float64), n.astype(np.float32).astype(np.float64)
+    exact = a32 / n32  # float64: 53 bits, enough to tell which way 24 bits were rounded
+    got = np.asarray(_division.ratio_of_counts(a.astype(np.int32), n.astype(np.int32)))
+    up = got.astype(np.float64) > exact
+    assert up.sum() > 100 and (~up).sum() > 100
+
+
+@pytest.mark.parametrize("ulps", [-2, -1, 1, 2])
+def test_the_skew_hook_moves_the_quotient_and_the_correction_undoes_it(ulps, monkeypatch):
+    a, n = operands()
+    want = (a / n).astype(np.float32)
+    with _division.skewed(ulps):
+        got = np.asarray(jax.jit(_division.divide_by_count)(a, n))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the hook does move the quotient: without the correction the bits differ (but at 0)
+    monkeypatch.setattr(_division, "correct_quotient", lambda a, n, q: q)
+    with _division.skewed(ulps):
+        raw = np.asarray(jax.jit(lambda a, n: _division.divide_by_count(a, n))(a, n))  # afresh
+    moved = np.abs(want) >= _division.TINY
+    assert np.all(raw[moved] != want[moved]) and np.all(raw[~moved] == want[~moved])
+
+
+@pytest.mark.parametrize("bad", [3, -3, 1.0, True, "1"])
+def test_the_skew_hook_refuses_what_the_correction_cannot_take(bad):
+    with pytest.raises(ValueError, match="ulps must be an int from -2 to 2"):
+        with _division.skewed(bad):
+            pass
