@@ -10,7 +10,8 @@ chosen so that a sum still answers every question the statistics are for:
   ========  ==============================================================================
   USES      1
   MAX       max |cotangent| over its finite entries
-  NONFINITE entries of the cotangent that are inf or nan
+  NONFINITE entries of the cotangent that are inf or nan (or past its dtype's range: kept
+            wider by the compiler, they are the infs the dtype would hold)
   NONZERO   finite nonzero entries
   UNDERFLOW finite nonzero entries below float16's smallest normal, 2**-14 (zero or
             subnormal in float16: for a float16 cotangent, the subnormal ones)
@@ -46,9 +47,27 @@ F16_TINY = float(np.finfo(np.float16).tiny)
 F32 = jnp.float32
 
 
+def rounds_to_inf(dtype: Any) -> float:
+    """The smallest magnitude that rounds to inf in ``dtype`` (its largest finite value plus
+    half its last spacing: round to nearest, the tie to the even infinity), as a float32
+    (``inf`` for float32 and wider)."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        return float("inf")
+    info = jnp.finfo(dtype)  # the last spacing below the largest value: 2**(maxexp-1-nmant)
+    return float(np.float32(float(info.max) + 2.0 ** (info.maxexp - 2 - info.nmant)))
+
+
 def _abs32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``|x|`` in float32 with its non-finite entries 0, and which entries are finite in
+    ``x``'s dtype. A compiler may keep a float16 value in float32 (XLA's excess precision:
+    XLA:GPU drops a convert to float16 and back inside a fusion), so an entry past what the
+    dtype holds counts as the inf that float16 would have made of it."""
     a = jnp.abs(x.astype(F32)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.abs(x).astype(F32)
     finite = jnp.isfinite(a)
+    limit = rounds_to_inf(x.dtype)
+    if limit != float("inf"):
+        finite = jnp.logical_and(finite, a < F32(limit))
     return jnp.where(finite, a, F32(0.0)), finite
 
 

@@ -16,7 +16,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+# LSJ_TEST_CPU_DEVICES=1 rehearses on CPU what a one-GPU machine's run skips (the
+# multidevice marker below).
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("LSJ_TEST_CPU_DEVICES", "8")))
 # float32 references are float32: a GPU's default matmul precision is TF32 (10 bits), which
 # put the taps' references 5e-5 off there. No effect on CPU.
 jax.config.update("jax_default_matmul_precision", "highest")
