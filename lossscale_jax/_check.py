@@ -113,6 +113,10 @@ def or_max(n: int) -> Any:
     return reducer
 
 
+def _max_all(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(jnp.maximum(x, y) for x, y in zip(a, b, strict=True))
+
+
 def magnitude(g: jax.Array) -> jax.Array:
     """``|g|`` in float32 at least (XLA:CPU reduces float32 faster than float16).
 
@@ -121,6 +125,28 @@ def magnitude(g: jax.Array) -> jax.Array:
     measurement, and in ``"ieee"``/``"both"`` mode a nan is an overflow anyway.
     """
     return jnp.abs(g.astype(at_least_float32(g.dtype)))
+
+
+def coded_magnitude(g: jax.Array, mode: str) -> jax.Array:
+    """``|g|`` (``magnitude``) with each nan made what ``mode`` takes it for: ``inf`` where a
+    nan is an overflow (``"ieee"``, ``"both"``), ``0`` where it is not (``"saturating"``).
+
+    One reduction of it gives a leaf's overflow flag and its range at once: the flag is
+    ``max >= limit`` (``limit``: ``inf`` for ``"ieee"``, else the compute dtype's largest
+    value; see ``flag_of``), the range the max itself, finite on a leaf that did not overflow.
+    """
+    mag = magnitude(g)
+    return jnp.where(
+        jnp.isnan(g), jnp.asarray(0.0 if mode == "saturating" else np.inf, mag.dtype), mag
+    )
+
+
+def flag_of(peak: jax.Array, mode: str, threshold: float) -> jax.Array:
+    """A leaf's overflow flag from the max of its ``coded_magnitude``: the test of ``predicates``
+    (the threshold compared in float32 or wider is the same test as in the leaf's dtype: every
+    float16 and bfloat16 value is exact there, and none lies between 65504 and its rounding)."""
+    limit = np.inf if mode == "ieee" else threshold
+    return peak >= jnp.asarray(limit, peak.dtype)
 
 
 def leaf_flags(leaves: list[jax.Array], mode: str, threshold: float, with_max: bool = False) -> Any:
@@ -141,8 +167,10 @@ def leaf_flags(leaves: list[jax.Array], mode: str, threshold: float, with_max: b
 
     With ``with_max`` the same reductions also return each leaf's largest
     magnitude (``magnitude``): ``(flags, maxes)``, the maxes as float32
-    scalars. Still one kernel per group (same shape and magnitude dtype, half
-    as many leaves), one read per leaf.
+    scalars. One output per leaf there, the max of its ``coded_magnitude``,
+    from which the flag follows (``flag_of``): still one kernel per group of
+    ``GROUP`` leaves, one read per leaf (a leaf alone in its group reduces its
+    flag beside its max, two outputs, as above).
     """
     flags: list[Any] = [None] * len(leaves)
     maxes: list[Any] = [None] * len(leaves)
@@ -154,23 +182,26 @@ def leaf_flags(leaves: list[jax.Array], mode: str, threshold: float, with_max: b
         key = (tuple(g.shape), at_least_float32(g.dtype)) if with_max else (tuple(g.shape),)
         groups.setdefault(key, []).append(i)
     false = jnp.zeros([], jnp.bool_)
-    # Two outputs per leaf with the magnitudes: half as many leaves per kernel keeps
-    # the kernel's outputs as few (XLA:CPU slows down past about 16).
-    size = GROUP // 2 if with_max else GROUP
     for key, members in groups.items():
         dims = tuple(range(len(key[0])))
-        for start in range(0, len(members), size):
-            chunk = members[start : start + size]
+        for start in range(0, len(members), GROUP):
+            chunk = members[start : start + GROUP]
+            if with_max and len(chunk) == 1:
+                (i,) = chunk
+                test = jnp.logical_or(*predicates(leaves[i], mode, threshold))
+                mag = coded_magnitude(leaves[i], mode)
+                out = lax.reduce((test, mag), (false, jnp.zeros([], mag.dtype)), or_max(1), dims)
+                flags[i], maxes[i] = out[0], out[1].astype(jnp.float32)
+                continue
             if with_max:
-                tests = tuple(
-                    jnp.logical_or(*predicates(leaves[i], mode, threshold)) for i in chunk
-                )
-                mags = tuple(magnitude(leaves[i]) for i in chunk)
-                inits = (false,) * len(chunk) + tuple(jnp.zeros([], m.dtype) for m in mags)
-                out = lax.reduce(tests + mags, inits, or_max(len(chunk)), dims)
-                for k, i in enumerate(chunk):
-                    flags[i] = out[k]
-                    maxes[i] = out[len(chunk) + k].astype(jnp.float32)
+                # One output per leaf (XLA:CPU slows down past about 16 outputs a kernel, and
+                # XLA:GPU splits a kernel of more): its coded max, the flag read off it.
+                mags = tuple(coded_magnitude(leaves[i], mode) for i in chunk)
+                inits = tuple(jnp.zeros([], m.dtype) for m in mags)
+                out = lax.reduce(mags, inits, _max_all, dims)
+                for i, peak in zip(chunk, out, strict=True):
+                    flags[i] = flag_of(peak, mode, threshold)
+                    maxes[i] = peak.astype(jnp.float32)
                 continue
             if len(chunk) == 1:
                 pair = predicates(leaves[chunk[0]], mode, threshold)

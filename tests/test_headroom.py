@@ -281,15 +281,16 @@ def test_a_nan_in_saturating_mode_is_no_overflow_and_no_measurement():
 @pytest.mark.slow
 def test_range_adds_no_pass_over_the_gradients():
     """With the range measured, the step reads each gradient leaf as often as with
-    DynamicScale and runs as many kernels on the gradients (the maxima ride in the
-    check's reductions)."""
+    DynamicScale and runs as many kernels on the gradients: the range is the check's own
+    reduction (one output per leaf, its coded max, from which the flag follows), so a group
+    of 16 leaves of one shape is one kernel for both (two, when the range took an output of
+    its own beside each flag: XLA:GPU split those kernels further, 22 against 12 on the
+    185M LM's post step)."""
     hlo = import_benchmark("hlo")  # the benchmark's HLO reader (benchmarks/bench/hlo.py)
 
     rng = np.random.default_rng(0)
-    params = {
-        k: jnp.asarray(rng.normal(size=s), jnp.float32)
-        for k, s in [("a", (64, 48)), ("b", (48,)), ("c", (48, 48)), ("d", (48, 48))]
-    }
+    shapes = [("a", (64, 48)), ("b", (48,)), *((f"l{i:02d}", (48, 48)) for i in range(16))]
+    params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes}
     grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
 
     def compiled(policy):
@@ -314,8 +315,10 @@ def test_range_adds_no_pass_over_the_gradients():
 
     for k in params:
         assert hlo.reads(head, f"grads['{k}']") == hlo.reads(dyn, f"grads['{k}']"), k
-    assert hlo.count(head, "conditional") == 1
-    assert kernels_on_grads(head) <= kernels_on_grads(dyn)
+    # as many conditionals as DynamicScale's step: one under the CPU's formulation, none under
+    # a GPU's select (the skip's formulation, not the range, decides)
+    assert hlo.count(head, "conditional") == hlo.count(dyn, "conditional")
+    assert kernels_on_grads(head) == kernels_on_grads(dyn) == 3  # a, b, and the 16 together
 
 
 @pytest.mark.multidevice
