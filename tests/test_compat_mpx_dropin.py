@@ -362,8 +362,9 @@ def _mpx_scan(scaling, finite):
 def test_import_state_continues_an_mpx_run_scale_for_scale(period, floor):
     # An mpx run interrupted mid-period continues with the imported policy exactly as with
     # mpx (scales capped at 65504 and floored at min_loss_scaling), and goes back.
-    rng = np.random.default_rng(period)
-    finite = jnp.asarray(rng.random(1200) >= 0.15)
+    rng = np.random.default_rng(period)  # Bernoulli noise, then bursts of 10
+    bad = np.concatenate([rng.random(600) < 0.15, np.repeat(rng.random(60) < 0.5, 10)])
+    finite = jnp.asarray(~bad)
     scaling = real_mpx.DynamicLossScaling(jnp.float32(2.0**14), jnp.float32(floor), period=period)
     scaling, _ = _mpx_scan(scaling, finite[:7])
     policy, state = our_mpx.import_state(scaling)

@@ -198,6 +198,7 @@ def filter_value_and_grad(
         dfunc_scaled = calculate_scaled_grad(
             func, scaling=scaling, has_aux=has_aux, use_mixed_precision=use_mixed_precision
         )
+        aux = None
         if has_aux:
             (value, aux), grad = dfunc_scaled(*args, **kwargs)
         else:

@@ -17,15 +17,16 @@ guide), ``export_state`` goes back. This module loads Equinox.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
-try:
-    import equinox  # noqa: F401  (mpx is Equinox's; its drop-in needs it)
-except ModuleNotFoundError as e:  # pragma: no cover - the test environment has Equinox
+# mpx is Equinox's, and its drop-in needs Equinox: say so before the imports below fail.
+if importlib.util.find_spec("equinox") is None:
     raise ModuleNotFoundError(
         "lossscale_jax.compat.mpx needs Equinox (pip install equinox); the rest of "
         "lossscale_jax does not."
-    ) from e
+    )
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -200,8 +201,8 @@ def import_state(scaling: Any) -> tuple[policies.DynamicScale, LossScaleState]:
     policy = dynamic_loss_scaling_policy(
         np.asarray(scaling.loss_scaling),
         np.asarray(scaling.min_loss_scaling),
-        np.asarray(scaling.factor),
-        np.asarray(scaling.period),
+        _number("factor", np.asarray(scaling.factor)),
+        _whole("period", np.asarray(scaling.period)),
     )
     counter = _whole("counter", np.asarray(scaling.counter))
     if not 0 <= counter < policy.growth_interval:
