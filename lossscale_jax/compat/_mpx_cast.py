@@ -128,9 +128,10 @@ def cast_function(
     Examples:
       >>> import jax.numpy as jnp
       >>> from lossscale_jax.compat import mpx
-      >>> mean = mpx.cast_function(jnp.mean, jnp.float32, jnp.float16)
-      >>> mean(jnp.full(4, 60000.0, jnp.float16))   # the sum overflows float16, not float32
-      Array(60000., dtype=float16)
+      >>> f = lambda x: jnp.sum(x * x) / 1e4           # x * x overflows float16
+      >>> x = jnp.full(4, 300.0, jnp.float16)
+      >>> float(f(x)), float(mpx.cast_function(f, jnp.float32, jnp.float16)(x))
+      (inf, 36.0)
     """
     if return_dtype is None:
         return_dtype = dtype

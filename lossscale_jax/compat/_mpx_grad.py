@@ -219,12 +219,12 @@ def filter_value_and_grad(
 
 
 def optimizer_update(
-    model: T,
+    model: Any,
     optimizer: optax.GradientTransformation,
     optimizer_state: Any,
     grads: Any,
     grads_finite: ArrayLike,
-) -> tuple[T, Any]:
+) -> tuple[Any, Any]:
     """One Optax step on an Equinox model, kept only where ``grads_finite`` (mpx's).
 
     Rule::
