@@ -153,6 +153,7 @@ def test_mpx_program_bit_identical_with_the_import_changed(gradient, has_aux, ji
         assert_bits_equal(ours[i]["model"], was, f"skipped step {i}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mpx", [real_mpx, our_mpx], ids=["mpx", "compat.mpx"])
 def test_a_growth_step_unscales_with_the_grown_scale(mpx):
     # mpx adjusts, then unscales with the new scale: on the period-th good step the value and
@@ -188,6 +189,7 @@ def test_a_growth_step_unscales_with_the_grown_scale(mpx):
         np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-8 * np.abs(want).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start", [2.0**16, 65520.0])
 def test_a_scale_of_2_16_scales_the_loss_to_inf_as_in_mpx(start):
     # The scale is cast to float16 before it multiplies the loss: 65520 and up are inf.
@@ -358,6 +360,7 @@ def _mpx_scan(scaling, finite):
     return jax.lax.scan(body, scaling, finite)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("period, floor", [(5, 1.0), (2, 2.0**12), (1, 0.0)])
 def test_import_state_continues_an_mpx_run_scale_for_scale(period, floor):
     # An mpx run interrupted mid-period continues with the imported policy exactly as with

@@ -112,6 +112,7 @@ def make_net_step(tx, static):
     return step, traces
 
 
+@pytest.mark.slow
 def test_injected_overflow_leaves_params_adam_and_the_batchnorm_state():
     params, static, state = make_net()
     tx = lsj.loss_scaling(optax.adam(1e-2), lsj.StaticScale(SCALE))
