@@ -190,6 +190,31 @@ def test_a_growth_step_unscales_with_the_grown_scale(mpx):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["filter_value_and_grad", "filter_grad", "calculate_scaled_grad"])
+@pytest.mark.parametrize("has_aux", [False, True])
+@pytest.mark.parametrize("use_mixed_precision", [True, False])
+def test_every_gradient_function_returns_what_mpx_returns(name, has_aux, use_mixed_precision):
+    # Each of mpx's gradient functions, each way, once (eagerly): the same tree of the same
+    # bits, the loss scale included (returned unchanged without mixed precision).
+    x, y = next(_batches(1))
+    outs = []
+    for mpx in (real_mpx, our_mpx):
+
+        def loss_fn(model, x, y):
+            loss = jnp.mean((jax.vmap(model)(x) - y) ** 2).astype(jnp.float32)
+            return (loss, {"n": 3, "pred": loss * 2}) if has_aux else loss
+
+        scaling = mpx.DynamicLossScaling(jnp.float32(2.0**10), jnp.float32(1.0), period=1)
+        fn = getattr(mpx, name)(loss_fn, scaling, has_aux, use_mixed_precision)
+        out = fn(_model(), x, y=y)  # a keyword argument is cast like the others
+        outs.append(
+            [np.asarray(v) for v in jax.tree_util.tree_leaves(eqx.filter(out, eqx.is_array))]
+        )
+        outs[-1].append(len(jax.tree_util.tree_leaves(out)))
+    assert_bits_equal(outs[0], outs[1], f"{name}, has_aux={has_aux}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("start", [2.0**16, 65520.0])
 def test_a_scale_of_2_16_scales_the_loss_to_inf_as_in_mpx(start):
     # The scale is cast to float16 before it multiplies the loss: 65520 and up are inf.
