@@ -459,9 +459,15 @@ def test_the_library_step_unscales_with_the_scale_the_loss_was_scaled_with():
             continue
         grew = float(scaling.loss_scaling) / before
         growths += grew == 2.0
-        # Powers of two: x / S and x * (1 / S) are the same float32 number.
+        # Powers of two: x / S and x * (1 / S) are the same float32 number. The two float16
+        # backward passes are compiled apart: on XLA:CPU they round alike (checked to the
+        # bit); another backend may round them differently, by a float16 rounding or so.
         want = jax.tree_util.tree_map(lambda g, k=grew: g * k, eqx.filter(theirs, eqx.is_array))
-        assert_bits_equal(_leaves(ours), _leaves(want), f"step {i}")
+        if jax.default_backend() == "cpu":
+            assert_bits_equal(_leaves(ours), _leaves(want), f"step {i}")
+        else:
+            for a, b in zip(_leaves(ours), _leaves(want), strict=True):
+                np.testing.assert_allclose(a, b, rtol=2**-9, atol=2**-9 * np.abs(b).max())
     assert growths >= 2
 
 
