@@ -65,7 +65,7 @@ docs: $(STAMP)
 EXAMPLE_OUT := docs/_static/examples
 docs-outputs: $(STAMP)
 	mkdir -p $(EXAMPLE_OUT)
-	for name in linear_regression_underflow npu_saturation data_parallel; do \
+	for name in linear_regression_underflow npu_saturation data_parallel train_equinox; do \
 		$(BIN)/python examples/$$name.py > $(EXAMPLE_OUT)/$$name.txt || exit 1; done
 	$(BIN)/python examples/train_digits.py --no-progress --out $(EXAMPLE_OUT) > /dev/null
 	$(BIN)/python examples/train_gpt.py --no-progress --out $(EXAMPLE_OUT) > /dev/null

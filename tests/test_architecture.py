@@ -4,8 +4,9 @@
 - no import cycle between the package's modules;
 - no private name of a public module imported by another module (internals live in
   underscore modules);
-- the Flax, Orbax and matplotlib imports sit only in the modules that need them, and
-  ``import lossscale_jax`` loads none of them (tests/test_seams.py runs it).
+- the Flax, Orbax, matplotlib and Equinox imports sit only in the modules that need them,
+  and ``import lossscale_jax`` loads none of them (tests/test_seams.py runs it; Equinox
+  loads with ``lsj.compat.mpx`` only, tests/test_compat_mpx_dropin.py).
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def test_no_private_name_of_a_public_module_is_imported():
         ("flax", {"lossscale_jax.flax_utils", "lossscale_jax.checkpoint"}),
         ("orbax", {"lossscale_jax.checkpoint"}),
         ("matplotlib", {"lossscale_jax._plot"}),
+        (
+            "equinox",
+            {
+                "lossscale_jax.compat.mpx",
+                "lossscale_jax.compat._mpx_cast",
+                "lossscale_jax.compat._mpx_grad",
+                "lossscale_jax.compat._mpx_scale",
+            },
+        ),
+        ("mpx", set()),  # compat.mpx reproduces it; the package never imports it
     ],
 )
 def test_optional_packages_are_imported_only_where_needed(package, allowed):

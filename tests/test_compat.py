@@ -785,6 +785,7 @@ def test_each_framework_is_a_module_of_the_compat_package():
 
     frameworks = ["apex", "cstorch", "deepspeed", "flax", "jmp", "keras", "megatron"]
     frameworks += ["mindspore", "npu", "torch", "fairseq", "metaseq", "colossalai", "paddle"]
+    frameworks += ["mpx"]  # loaded on first use: it imports Equinox
     assert sorted(compat.__all__) == sorted(frameworks)
     for name in frameworks:
         module = importlib.import_module(f"lossscale_jax.compat.{name}")

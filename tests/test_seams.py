@@ -296,7 +296,7 @@ def test_import_loads_no_flax_orbax_or_matplotlib_until_used():
         """
         import sys
         import lossscale_jax as lsj
-        heavy = ("flax", "orbax", "matplotlib", "lossscale_jax.compat")
+        heavy = ("flax", "orbax", "matplotlib", "equinox", "lossscale_jax.compat")
         print(sorted({m.split(".")[0] for m in sys.modules if m.startswith(heavy)}))
         lsj.TrainState
         print("flax" in sys.modules)

@@ -20,6 +20,8 @@ module          originals
 ``cstorch``     Cerebras ``cstorch.amp.GradScaler`` / ``optimizer_step``
 ``mindspore``   MindSpore ``DynamicLossScaleManager`` / ``FixedLossScaleManager``
 ``jmp``         jmp ``DynamicLossScale`` / ``StaticLossScale`` / ``NoOpLossScale``
+``mpx``         mpx (``mixed-precision-for-jax``, for Equinox) ``DynamicLossScaling``,
+                ``filter_value_and_grad``, ``optimizer_update``
 ``flax``        Flax ``flax.training.dynamic_scale.DynamicScale``
 ``fairseq``     fairseq ``DynamicLossScaler`` (its FP16 optimizers' scaler)
 ``metaseq``     metaseq ``DynamicLossScaler`` (OPT's; the window follows the scale)
@@ -28,7 +30,7 @@ module          originals
 ==============  ===========================================================
 
 Runs already training elsewhere come across with ``import_state`` (torch,
-DeepSpeed, Megatron, Keras, jmp, Flax, fairseq, metaseq, Colossal-AI,
+DeepSpeed, Megatron, Keras, jmp, mpx, Flax, fairseq, metaseq, Colossal-AI,
 Paddle;
 DeepSpeed's fp16 optimizers: ``import_fp16_optimizer_state``), which
 returns ``(policy, LossScaleState)`` from what the original saves, and
@@ -41,7 +43,15 @@ MindSpore and Keras would store ``inf`` and never recover) and never drops
 below float32's smallest normal number ``2**-126`` where the original has no
 floor (torch, Keras, apex without ``min_loss_scale``: XLA flushes smaller
 values to zero, and a zero scale trains nothing).
+
+``mpx`` loads Equinox, which the rest of the package does not need: it is imported on
+first use (``compat.mpx``, or ``from lossscale_jax.compat import mpx``).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from lossscale_jax.compat import (
     apex,
@@ -60,6 +70,22 @@ from lossscale_jax.compat import (
     torch,
 )
 
+if TYPE_CHECKING:
+    from lossscale_jax.compat import mpx
+
+
+def __getattr__(name: str) -> Any:
+    if name == "mpx":
+        module = importlib.import_module("lossscale_jax.compat.mpx")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'lossscale_jax.compat' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"mpx"})
+
+
 __all__ = [
     "apex",
     "colossalai",
@@ -72,6 +98,7 @@ __all__ = [
     "megatron",
     "metaseq",
     "mindspore",
+    "mpx",
     "npu",
     "paddle",
     "torch",

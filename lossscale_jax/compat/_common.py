@@ -33,6 +33,16 @@ def _number(name: str, value: Any) -> float:
     return float(arr)
 
 
+def _whole(name: str, value: Any) -> int:
+    """An int, or a number with an integral value (jmp accepts ``period=5.``)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    number = _number(name, value)
+    if not number.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value!r}.")
+    return int(number)
+
+
 def _int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")

@@ -23,7 +23,7 @@ from jax.typing import ArrayLike
 
 from lossscale_jax import numerics, policies
 from lossscale_jax._state import initial_state
-from lossscale_jax.compat._common import _INF, _TINY, _build, _number
+from lossscale_jax.compat._common import _INF, _TINY, _build, _number, _whole
 from lossscale_jax.policies import LossScaleState, NoScale, StaticScale
 
 T = TypeVar("T")
@@ -46,16 +46,6 @@ class _JmpDynamicLossScale(policies.DynamicScale):
 
     def init(self) -> LossScaleState:
         return super().init().replace(growth_count=jnp.asarray(self.counter, jnp.int32))
-
-
-def _whole(name: str, value: Any) -> int:
-    """An int, or a number with an integral value (jmp accepts ``period=5.``)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}.")
-    number = _number(name, value)
-    if not number.is_integer():
-        raise ValueError(f"{name} must be a whole number, got {value!r}.")
-    return int(number)
 
 
 def dynamic_loss_scale_policy(
