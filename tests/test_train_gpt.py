@@ -193,15 +193,12 @@ def test_quick_headroom_reads_the_ceiling_without_probing(job):
             assert _rows(result, setting, "fp16_headroom")[seed]["skipped_fraction"] == 0.0
 
 
-@pytest.mark.slow
-def test_underflow_probe_against_numpy(job):
-    """The job's first probe (update_2^19, seed 0, fp16) equals a NumPy count.
+KEY_BIAS_NOISE = 2 * 64  # the key biases' float32 rounding noise the probe counts as lost
 
-    The gradients are taken again at the same initial weights on the same first batch:
-    the float16 one of the unscaled loss and the float32 one; NumPy counts the entries
-    that are zero in the first and non-zero in the second.
-    """
-    ex, _, result = job
+
+def probe_gradients(ex, result):
+    """The job's first probe's gradients again (update_2^19, seed 0, unscaled): float16 and
+    float32, as NumPy leaves."""
     corpus = ex.load_corpus()
     loss_fn = ex.loss_function(corpus.vocab_size)
     params = ex.init_params(corpus.vocab_size, jnp.int32(0))
@@ -215,6 +212,31 @@ def test_underflow_probe_against_numpy(job):
     g32, _ = ex.gradients(loss_fn, jnp.float32, params, tokens, offsets, weight, unscaled)
     g16 = [np.asarray(x) for x in jax.tree_util.tree_leaves(g16)]
     g32 = [np.asarray(x) for x in jax.tree_util.tree_leaves(g32)]
+    return g16, g32, setting
+
+
+def borderline_entries(ex, result) -> tuple[int, int]:
+    """``(entries one float16 rounding from zero, nonzero entries)`` of the first probe: 0 or
+    one subnormal unit in float16, below two units in float32."""
+    g16, g32, _ = probe_gradients(ex, result)
+    unit = 2.0**-24
+    flips = sum(
+        int(np.sum((np.abs(a.astype(np.float32)) <= unit) & (b != 0) & (np.abs(b) < 2 * unit)))
+        for a, b in zip(g16, g32, strict=True)
+    )
+    return flips, sum(int(np.sum(b != 0)) for b in g32)
+
+
+@pytest.mark.slow
+def test_underflow_probe_against_numpy(job):
+    """The job's first probe (update_2^19, seed 0, fp16) equals a NumPy count.
+
+    The gradients are taken again at the same initial weights on the same first batch:
+    the float16 one of the unscaled loss and the float32 one; NumPy counts the entries
+    that are zero in the first and non-zero in the second.
+    """
+    ex, _, result = job
+    g16, g32, setting = probe_gradients(ex, result)
     assert all(a.dtype == np.float16 for a in g16) and all(b.dtype == np.float32 for b in g32)
     lost = sum(int(np.sum((a == 0) & (b != 0))) for a, b in zip(g16, g32, strict=True))
     nonzero = sum(int(np.sum(b != 0)) for b in g32)
@@ -268,7 +290,14 @@ def test_quick_prints_and_saves_the_diagnosis(job):
     h = result["job"]["results"]["fp16"]["history"][i]
     probe = h["lost"][0] / h["nonzero"][0]
     unscaled = d.underflow[list(d.scales).index(1.0)]
-    assert unscaled > 0.05 and abs(unscaled - probe) < 0.003
+    # The two are float16 programs of the same gradient compiled apart: an entry can be lost
+    # in one and not the other only where a rounding placed elsewhere (XLA:GPU keeps some
+    # float16 intermediates in float32 inside its fusions; XLA:CPU does less of it) moves it
+    # across zero: entries the probe's float16 holds at 0 or one subnormal unit (2**-24)
+    # whose float32 value is below two units. Those, and the key biases' noise, bound it.
+    flips, nonzero = borderline_entries(ex, result)
+    assert unscaled > 0.05
+    assert abs(unscaled - probe) <= (flips + KEY_BIAS_NOISE) / nonzero
     # The scales the job trains with overflow nothing; the dynamic policy's starts inside the
     # recommended range. The static 2**10 loses no entry to zero beyond the floor, but keeps
     # some deep in float16's subnormals, which the range's lower end counts (the job shows
