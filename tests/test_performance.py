@@ -574,6 +574,71 @@ def test_hlo_reader_on_xla_gpus_own_text():
         assert hlo.reads(cond, f"grads['{k:03d}']") >= 1 <= hlo.reads(select, f"grads['{k:03d}']")
 
 
+def test_hlo_reader_reads_one_element_of_a_tuple():
+    """``%t#k`` (how jaxlib 0.11 prints a read of a tuple's element, with no
+    ``get-tuple-element``) reads element ``k`` alone: a copy of the float32 element of a
+    (f32[8], f16[8]) tuple moves 32 + 32 bytes and reads ``a``, not ``b``."""
+    text = """ENTRY %main (a: f32[8], b: f16[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0), metadata={op_name="grads['a']"}
+  %b = f16[8]{0} parameter(1), metadata={op_name="grads['b']"}
+  %t = (f32[8]{0}, /*index=1*/f16[8]{0}) tuple(%a, %b)
+  ROOT %c = f32[8]{0} copy(%t#0)
+}
+"""
+    (copy,) = [i for i in hlo.parse_hlo(text)[0]["main"] if i["op"] == "copy"]
+    assert (copy["operands"], copy["elements"]) == (["t"], [0])
+    assert hlo.bytes_moved(text) == 32 + 32
+    assert (hlo.reads(text, "grads['a']"), hlo.reads(text, "grads['b']")) == (1, 0)
+    assert hlo.tuple_element("(f32[4,2], (pred[], s32[]), /*index=2*/f16[3])", 1) == (
+        "(pred[], s32[])"
+    )
+    with pytest.raises(ValueError, match="the tuple has 3"):
+        hlo.tuple_element("(f32[4,2], (pred[], s32[]), f16[3])", 3)
+
+
+def test_hlo_reader_on_the_language_models_post_step_on_a_gpu():
+    """The Optax path's post step of lm_185m as an H200 ran it (XLA:GPU, jaxlib 0.11.2, the
+    skip a select): the entry computation of the optimized module `gpu_check.sh` kept, its
+    metadata but the op names and its backend configs taken out. 185,623,552 parameters in 75
+    leaves; counts derived by hand:
+
+    - 75 Adam kernels, one per leaf, with the select fused in: each reads the parameter, both
+      moments (float32) and the gradient (float16) and writes the three: 26 B/param, what
+      plain's post step moves;
+    - the overflow check reads each gradient once more: 2 B/param, 28 in all;
+    - the check reduces in two levels: the first writes per-leaf partial flags (2 x pred[4096]
+      for the embedding, 12 x pred[1024], 13 x pred[1024], 2 x 12 x pred[2048]: 82,944 bytes)
+      that the second reads back; the rest is scalars (under 2 KiB).
+
+    The copy of one predicate, ``copy(%tuple.164#78)``, reads one byte: read as the whole
+    output tuple (parameters and both moments, 12 B/param) it made the estimate 40 B/param."""
+    text = gzip.decompress(
+        (XLA_GPU / "lm185m_post_optax_select.entry.hlo.txt.gz").read_bytes()
+    ).decode()
+    n = workloads.param_count("lm_185m")
+    assert n == 185_623_552
+    comps, entry = hlo.parse_hlo(text)
+    ops = comps[entry]
+    kernels = [i["name"].rstrip(".0123456789") for i in ops if i["op"] == "fusion"]
+    assert len(kernels) == 99 and kernels.count("loop_add_select_fusion") == 75
+    assert kernels.count("input_reduce_fusion") == 12
+    (copy,) = [i for i in ops if i["op"] == "copy"]
+    assert copy["line"].strip() == "%copy.471 = pred[] copy(%tuple.164#78)"
+    shapes = {i["name"]: i["shape"] for i in ops}
+    assert hlo._operand_shapes(copy, shapes) == ["pred[]"]
+    whole = hlo._shape_bytes(shapes["tuple.164"])
+    assert 12 * n < whole < 12 * n + 1024  # what the copy read before: the whole tuple
+    stats = hlo.hlo_stats(text, set())
+    assert stats["conditionals"] == 0 and stats["kernels"] == 99
+    partial_flags = 2 * 4096 + 12 * 1024 + 13 * 1024 + 2 * 12 * 2048
+    assert partial_flags == 82_944
+    extra = stats["bytes_moved"] - 28 * n - 2 * partial_flags
+    assert 0 <= extra < 2048, extra
+    assert round(stats["bytes_moved"] / n, 3) == 28.001
+    # The embedding's gradient: read by its check and its Adam kernel, nothing else.
+    assert hlo.reads(text, "grads['emb']") == 2
+
+
 def test_compile_for_a_gpu_without_one(tmp_path):
     """``--compile-for h100``: where JAX's CUDA plugin is installed (the GPU machine's JAX), the
     fused step compiled for the described H100 has no conditional and no copy, and the
