@@ -12,6 +12,8 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -29,6 +31,7 @@ import lossscale_jax as lsj
 # The benchmark's package (benchmarks/bench/): its HLO reader serves the tests below too.
 breakdowns = import_benchmark("breakdowns")
 cli = import_benchmark("cli")
+gpu = import_benchmark("gpu")
 harness = import_benchmark("harness")
 hlo = import_benchmark("hlo")
 profiling = import_benchmark("profiling")
@@ -370,7 +373,11 @@ def test_benchmark_command_renders_the_saved_run(tmp_path):
     from results.json the results.md committed next to it, byte for byte."""
     shutil.copy(ROOT / "benchmarks" / "results.json", tmp_path)
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_step.py")]
-    subprocess.run([*command, "--render", "--out", str(tmp_path)], check=True)
+    # The package as this process imports it: from the checkout (installed or not: a GPU
+    # machine runs the suite from the source tree).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    subprocess.run([*command, "--render", "--out", str(tmp_path)], check=True, env=env)
     assert (tmp_path / "results.md").read_bytes() == (
         ROOT / "benchmarks" / "results.md"
     ).read_bytes()
@@ -442,6 +449,29 @@ def test_benchmark_prototypes_still_trace_and_stay_finite():
 
 
 @pytest.mark.slow
+def test_the_bare_where_skip_skips_and_otherwise_steps_as_plain_scaled():
+    """``where_skip``, the floor of a select skip: on an inf gradient the parameters and
+    Adam's state come back bit for bit; on good gradients the step is ``plain_scaled``'s (the
+    same unscale and Adam; to float32 rounding, as each compiles on its own)."""
+    case = workloads.build_case("tiny/in_out/fp16grad/post")
+    post = variants.VARIANTS["where_skip"](case.loss, case.pattern)[1]
+    plain_post, init = variants.VARIANTS["plain_scaled"](case.loss, case.pattern)[1:3]
+    state = init(case.params)
+    (grads,) = case.args
+    bad = dict(grads, **{"001": grads["001"].at[0].set(jnp.inf)})
+    assert_bits_equal(jax.jit(post)(case.params, state, bad), (case.params, state))
+    got, want = (
+        jax.jit(post)(case.params, state, grads),
+        jax.jit(plain_post)(case.params, state, grads),
+    )
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        # The same operations, compiled twice: a multiply and an add may be contracted in one
+        # and not the other, one float32 rounding each (Adam's two moments and the update):
+        # 2 ulps.
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 * np.finfo(np.float32).eps)
+    assert not np.array_equal(got[0]["000"], case.params["000"])
+
+
 def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
 
@@ -648,8 +678,7 @@ def test_compile_for_a_gpu_without_one(tmp_path):
     argv += ["--variants", "lsj_fused_ieee", "lsj_fused_cond_ieee"]
     with pytest.raises(ValueError, match=r"unknown GPU 'a100'; choose from \['h100'\]"):
         cli.main([*argv[:1], "a100", *argv[2:]])
-    plugins = importlib.util.find_spec("jax_plugins")  # the package the CUDA plugin is in
-    if plugins is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not _cuda_plugin():
         with pytest.raises(RuntimeError, match=re.escape(f'pip install "{deviceless.PLUGIN}"')):
             cli.main(argv)
         assert list(tmp_path.iterdir()) == []
@@ -660,8 +689,21 @@ def test_compile_for_a_gpu_without_one(tmp_path):
         rows["lsj_fused_ieee"]["conditionals"] == rows["lsj_fused_ieee"]["param_sized_copies"] == 0
     )
     assert rows["lsj_fused_cond_ieee"]["conditionals"] == 1
-    assert rows["lsj_fused_cond_ieee"]["param_sized_copies"] > 0
+    # jaxlib 0.10.2 copies every parameter and moment (8 leaves, 3 arrays each) out of the
+    # skip branch and out of the conditional; jaxlib 0.11.2 (the H200 run) copies none.
+    assert rows["lsj_fused_cond_ieee"]["param_sized_copies"] in (0, 2 * 3 * 8)
     assert "| lsj_fused_ieee | 0 | 0 |" in (tmp_path / "compiled_h100.md").read_text()
+
+
+def _cuda_plugin() -> bool:
+    """Whether a CUDA plugin of JAX is installed where JAX looks for plugins (a module
+    ``xla_cuda*`` of the namespace package ``jax_plugins``: jax-cuda12-plugin, or the CUDA
+    13 one a GPU machine's JAX may have); with it, JAX compiles for a described GPU."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    import jax_plugins
+
+    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 @pytest.mark.slow
@@ -683,7 +725,7 @@ def test_language_model_workloads():
     with pytest.raises(ValueError, match="in_out layout only"):
         workloads.check_case("lm_tiny/out_in/fp16grad/full")
     assert set(variants.GPU_VARIANTS.values()) <= set(variants.VARIANTS)
-    assert cli.default_modes() == (
+    assert harness.default_modes() == (
         ["latency"] if jax.default_backend() == "cpu" else ["latency", "throughput"]
     )
 
@@ -718,24 +760,28 @@ def test_benchmark_throughput_mode():
 @pytest.mark.slow
 def test_benchmark_gpu_results_schema(tmp_path, monkeypatch, capsys):
     """`--gpu-results PATH` on CPU with lm_tiny: results_gpu.json has the documented schema
-    and its table is written; a variant whose package is missing is skipped with a line."""
-    monkeypatch.setattr(cli, "missing_package", lambda name: "jmp" if name == "jmp" else None)
+    and its table is written; a variant whose package is missing is skipped with a line; the
+    post step's rows carry its device time (traced after the rounds; on CPU the busiest host
+    track), the full step's none; the traces are not kept."""
+    monkeypatch.setattr(variants, "missing_package", lambda name: "jmp" if name == "jmp" else None)
     path = tmp_path / "results_gpu.json"
     argv = ["--gpu-results", str(path), "--rounds", "2", "--iters", "1", "--steps", "2"]
     argv += ["--cases", "lm_tiny/in_out/fp16grad/full", "lm_tiny/in_out/fp16grad/post"]
     argv += ["--variants", "lsj_fused", "lsj_headroom_taps", "jmp", "--modes", *harness.MODES]
+    argv += ["--device-steps", "2", "--label", "a rehearsal on CPU"]
     cli.main(argv)
     assert "skipping variant jmp: the package jmp is not installed" in capsys.readouterr().err
     doc = json.loads(path.read_text())
     assert set(doc) == {"meta", "rows"}
     meta = doc["meta"]
-    assert set(report.GPU_META_KEYS) <= set(meta)
+    assert set(gpu.GPU_META_KEYS) <= set(meta)
     assert meta["rounds"] == 2 and meta["jax"] == jax.__version__
+    assert (meta["label"], meta["device_steps"]) == ("a rehearsal on CPU", 2)
     assert meta["device"].startswith(jax.devices()[0].platform)
     assert any("jmp" in line for line in meta["skipped"]) and meta["refused"] == []
     assert meta["command"].startswith("python benchmarks/bench_step.py --gpu-results")
     rows = doc["rows"]
-    assert all(tuple(r) == report.GPU_ROW_KEYS for r in rows)
+    assert all(tuple(r) == gpu.GPU_ROW_KEYS for r in rows)
     assert sorted(
         (r["case"].split("/")[-1], r["step"], r["mode"], r["variant"]) for r in rows
     ) == sorted(
@@ -750,9 +796,80 @@ def test_benchmark_gpu_results_schema(tmp_path, monkeypatch, capsys):
         if r["variant"] == "plain":
             assert r["ratio"] == 1.0
         assert set(r["variant"]) and r["variant"] in variants.GPU_VARIANTS
+        if r["step"] == "full":
+            assert r["device_us"] is None and r["device_ratio"] is None
+        else:
+            assert r["device_us"] > 0
+            assert r["device_ratio"] == (1.0 if r["variant"] == "plain" else r["device_ratio"])
+    device = {(r["variant"], r["mode"]): r["device_us"] for r in rows if r["step"] == "post"}
+    for v in ("plain", "lsj_fused", "lsj_headroom_taps"):  # one measurement, both modes
+        assert device[v, "latency"] == device[v, "throughput"]
     table = path.with_suffix(".md").read_text()
     assert "| lsj_headroom_taps |" in table and "x plain, throughput" in table
+    assert "x plain, device" in table and "Measured: a rehearsal on CPU." in table
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results_gpu.json", "results_gpu.md"]
+    # --render: the same table from the JSON.
+    path.with_suffix(".md").unlink()
+    cli.main(["--gpu-results", str(path), "--render"])
+    assert path.with_suffix(".md").read_text() == table
+
+
+def test_device_time_columns_by_hand():
+    """``device_columns``: each post row's device time and its ratio to plain's in the same
+    case, in every mode; rows of a case not traced get None. The table and the docs' block
+    show them."""
+    rows = [
+        {"case": c, "variant": v, "mode": m}
+        for c in ("lm/full", "lm/post")
+        for m in ("latency", "throughput")
+        for v in ("plain", "lsj_optax_ieee", "where_skip")
+    ]
+    summaries = {
+        "lm/post": {
+            "plain": {"us_per_step": 1500.0},
+            "lsj_optax_ieee": {"us_per_step": 1620.0},
+            "where_skip": {"us_per_step": 1560.0},
+        }
+    }
+    gpu.device_columns(rows, summaries)
+    got = {(r["case"], r["variant"], r["mode"]): (r["device_us"], r["device_ratio"]) for r in rows}
+    for m in ("latency", "throughput"):
+        assert got["lm/post", "plain", m] == (1500.0, 1.0)
+        assert got["lm/post", "lsj_optax_ieee", m] == (1620.0, 1620.0 / 1500.0)
+        assert got["lm/post", "where_skip", m] == (1560.0, 1.04)
+        assert got["lm/full", "lsj_optax_ieee", m] == (None, None)
+    for r in rows:
+        r.update(kind=r["case"].split("/")[1], params=10**6, median_ms=1.0, refused=None)
+        r.update(ratio=1.1, ratio_lo=1.0, ratio_hi=1.2)
+    meta = {"device": "gpu: X", "jax": "0", "jaxlib": "0", "optax": "0", "flax": "0"}
+    meta.update(command="c", rounds=3, device_steps=20, label="by hand")
+    doc = gpu.gpu_results(rows, meta)
+    table = gpu.gpu_markdown(doc)
+    assert (
+        "| where_skip | 1.10 (1.00-1.20) | 1.00 | 1.10 (1.00-1.20) | 1.00 | 1.040 | 1560.0 |"
+        in (table)
+    )
+    block = gpu.gpu_summary(doc)
+    assert "| post, device time | 1.000 | 1.080 | 1.040 |" in block
+    assert block.startswith("Quoted from `benchmarks/results_gpu.md`: by hand; 3 rounds;")
+
+
+def test_the_committed_gpu_results_and_the_docs_quote_them(tmp_path):
+    """benchmarks/results_gpu.json is a GPU's measurement, labelled with what it measured;
+    results_gpu.md and the block of docs/performance.md are what ``--render`` makes of it."""
+    saved = json.loads((ROOT / "benchmarks" / "results_gpu.json").read_text())
+    meta = saved["meta"]
+    assert meta["device"].startswith("gpu: NVIDIA") and meta["label"]
+    assert meta["jax"] in meta["label"] and "gpu_check.sh" in meta["label"]
+    steps = {(r["step"], r["mode"]) for r in saved["rows"]}
+    assert steps == {(s, m) for s in ("full", "post") for m in harness.MODES}
+    assert all(r["ratio"] == 1.0 for r in saved["rows"] if r["variant"] == "plain")
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert report.replace_block(text, "gpu_results", gpu.gpu_summary(saved)) == text
+    shutil.copy(ROOT / "benchmarks" / "results_gpu.json", tmp_path)
+    cli.main(["--gpu-results", str(tmp_path / "results_gpu.json"), "--render"])
+    md = (ROOT / "benchmarks" / "results_gpu.md").read_text()
+    assert (tmp_path / "results_gpu.md").read_text() == md
 
 
 def _synthetic_trace(path, step_us):
@@ -809,8 +926,9 @@ def test_profile_summary_reads_the_device_tracks(tmp_path):
 
 @pytest.mark.slow  # about 3 s: two compiles
 def test_benchmark_profile_writes_kernels_and_traces(tmp_path):
-    """`--profile DIR` on CPU: a summary per variant (host tracks here), what the variant
-    spends beyond plain, and one trace per variant."""
+    """`--profile DIR`: a summary per variant (the device's tracks on an accelerator, the
+    host's on CPU, which has no device tracks), what the variant spends beyond plain, and one
+    trace per variant; a second run into the same DIR adds its case to kernels.json."""
     out = tmp_path / "profile"
     argv = ["--profile", str(out), "--cases", "tiny/in_out/fp16grad/post", "--steps", "2"]
     rows = cli.main([*argv, "--variants", "plain", "lsj_fused_ieee"])
@@ -818,10 +936,17 @@ def test_benchmark_profile_writes_kernels_and_traces(tmp_path):
     assert rows[0]["ratio"] == 1.0 and rows[1]["us_per_step"] > 0
     doc = json.loads((out / "kernels.json").read_text())
     case = doc["cases"]["tiny/in_out/fp16grad/post"]
-    assert case["plain"]["events"] == "host" and "more_than_plain" not in case["plain"]
+    events = "host" if jax.default_backend() == "cpu" else "device"
+    assert case["plain"]["events"] == events and "more_than_plain" not in case["plain"]
     assert all(m["us"] > 0 for m in case["lsj_fused_ieee"]["more_than_plain"])
     traces = sorted(p.parent.parent.parent.parent.name for p in out.rglob("perfetto_trace*"))
     assert traces == [f"tiny_in_out_fp16grad_post.{v}" for v in ("lsj_fused_ieee", "plain")]
+    argv = ["--profile", str(out), "--cases", "tiny/in_out/fp16grad/full", "--steps", "1"]
+    cli.main([*argv, "--variants", "plain", "where_skip"])
+    doc = json.loads((out / "kernels.json").read_text())
+    assert doc["steps"] == {"tiny/in_out/fp16grad/post": 2, "tiny/in_out/fp16grad/full": 1}
+    assert doc["cases"]["tiny/in_out/fp16grad/post"] == case
+    assert list(doc["cases"]["tiny/in_out/fp16grad/full"]) == ["plain", "where_skip"]
 
 
 def test_underflow_counts_the_entries_the_unscaled_backward_pass_loses(tmp_path):
