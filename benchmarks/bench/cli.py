@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--device-steps",
         type=int,
         default=None,
-        help="with --gpu-results: the post step's device time, from N steps per variant in a "
+        help="with --gpu-results: each step's device time, from N steps per variant in a "
         "profiler trace after the timed rounds (default 20; 0: none)",
     )
     ap.add_argument(
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="per-kernel times instead of timings: --cases x --variants (default: the GPU "
         "cases' full step; plain, the library's Optax and fused steps and the peers), --steps "
         "steps each (default 10) in a jax.profiler trace; writes DIR/kernels.json and the "
-        "traces. With --gpu-results: the post step's traces and their kernels.json kept there",
+        "traces. With --gpu-results: its traces and their kernels.json kept there",
     )
     ap.add_argument(
         "--compile-for",

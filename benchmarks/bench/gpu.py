@@ -1,12 +1,14 @@
 """The accelerator's run, ``--gpu-results PATH``, and what it writes.
 
 In this process (the allocators are a CPU matter): the language model's full and post steps
-(``GPU_CASES``), the variants of ``GPU_VARIANTS``, latency and throughput (``harness``), then
-the post step's device time: each variant's steps in a profiler trace of their own, the
-busiest device track's time per step (``profiling``), beside the timed ratios, which on a
-1.5 ms step measure the host as much as the GPU. It writes PATH (JSON) and the table next to
-it (PATH with ``.md``) and nothing else; ``--render`` redoes the table, and for the committed
-``benchmarks/results_gpu.json`` the block docs/performance.md quotes, from the JSON.
+(``GPU_CASES``), the variants of ``GPU_DEFAULT`` (``--variants``: any of ``GPU_VARIANTS``),
+latency and throughput (``harness``), then each step's device time: each variant's steps in
+a profiler trace of their own, the busiest device track's time per step (``profiling``),
+beside the timed ratios, which on the 1.5 ms post step measure the host as much as the GPU. It
+writes PATH (JSON) and the table next to it (PATH with ``.md``); for the committed
+``benchmarks/results_gpu.json`` the block docs/performance.md quotes too; with ``--profile
+DIR``, the traces and their kernels.json in DIR. ``--render`` redoes the table (and the
+block) from the JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .harness import default_modes, log, run_here
 from .profiling import summarize_case
 from .profiling import write as write_kernels
 from .report import DOC_PAGES, replace_block
-from .variants import GPU_VARIANTS, available
+from .variants import GPU_DEFAULT, GPU_VARIANTS, available
 from .workloads import GPU_CASES, check_case
 
 # The committed GPU results: docs/performance.md quotes them.
@@ -145,35 +147,36 @@ def gpu_markdown(doc: dict[str, Any]) -> str:
 
 
 def gpu_summary(doc: dict[str, Any]) -> str:
-    """The block docs/performance.md quotes from results_gpu.json: one column per variant,
-    one line per step and mode (and device time, where traced), the ratio to plain."""
+    """The block docs/performance.md quotes from results_gpu.json: one line per variant, one
+    column per step and mode (and each step's device time, where traced), the ratio to
+    plain."""
     meta, rows = doc["meta"], doc["rows"]
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
     what = meta.get("label") or f"{meta['device']}, jax {meta['jax']}"
+    columns = list(dict.fromkeys((r["step"], r["mode"]) for r in rows))
+    traced = list(dict.fromkeys(r["step"] for r in rows if r.get("device_ratio") is not None))
     lines = [
         f"Quoted from `benchmarks/results_gpu.md`: {what}; {meta['rounds']} rounds; the ratio "
-        "to plain, median over rounds (range).",
+        "to plain, median over rounds (range)"
+        + ("; device: the kernels' time per step, from a profiler trace." if traced else "."),
         "",
-        "| step, mode | " + " | ".join(variants) + " |",
-        "|---|" + "---:|" * len(variants),
+        "| variant | "
+        + " | ".join([f"{s}, {m}" for s, m in columns] + [f"{s}, device" for s in traced])
+        + " |",
+        "|---|" + "---:|" * (len(columns) + len(traced)),
     ]
-    for case in dict.fromkeys(r["case"] for r in rows):
-        mine = [r for r in rows if r["case"] == case]
-        step = mine[0]["step"]
-        for m in dict.fromkeys(r["mode"] for r in mine):
-            by = {r["variant"]: r for r in mine if r["mode"] == m}
-            cells = [_ratio(by[v]) if v in by else "" for v in variants]
-            lines.append(f"| {step}, {m} | " + " | ".join(cells) + " |")
-        device = {r["variant"]: r for r in mine if r.get("device_ratio") is not None}
-        if device:
-            cells = [f"{device[v]['device_ratio']:.3f}" if v in device else "" for v in variants]
-            lines.append(f"| {step}, device time | " + " | ".join(cells) + " |")
+    for v in dict.fromkeys(r["variant"] for r in rows):
+        mine = {(r["step"], r["mode"]): r for r in rows if r["variant"] == v}
+        cells = [_ratio(mine[c]) if c in mine else "" for c in columns]
+        for s in traced:
+            d = next((r for r in mine.values() if r["step"] == s and r.get("device_ratio")), None)
+            cells.append(f"{d['device_ratio']:.3f}" if d else "")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
     """``--gpu-results PATH``: the accelerator's run, in this process; writes PATH and its
-    table (PATH with ``.md``); returns the rows of PATH. The post step's cases are traced after
+    table (PATH with ``.md``); returns the rows of PATH. Every case is traced after
     their timed rounds (``--device-steps``): each variant's device time per step and its ratio
     to plain's in the rows, the traces and their kernels.json kept in ``--profile`` if given.
     With ``--render``: the table (and the docs' block, for the committed file) from PATH."""
@@ -189,7 +192,7 @@ def main(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
     cases = args.cases or list(GPU_CASES)
     for case in cases:
         check_case(case)
-    names = args.variants or list(GPU_VARIANTS)
+    names = args.variants or list(GPU_DEFAULT)
     for name in names:
         if name not in GPU_VARIANTS:
             raise ValueError(
@@ -210,7 +213,7 @@ def main(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
     modes = args.modes or default_modes()
     kept = Path(args.profile) if args.profile else None
     folder = kept or Path(tempfile.mkdtemp(prefix="bench_trace_"))
-    trace = (folder, device_steps, ("post",)) if device_steps else None
+    trace = (folder, device_steps, ("full", "post")) if device_steps else None
     try:
         rows = run_here(
             cases, variants, rounds, iters, False, "default", False, modes, steps, trace

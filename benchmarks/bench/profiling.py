@@ -113,13 +113,14 @@ def profile_case(
 
 def write(cases: dict[str, Any], steps: dict[str, int], out: Path) -> dict[str, Any]:
     """``out/kernels.json`` with ``cases`` (case -> variant -> summary) traced over ``steps``
-    (case -> steps) added: a case already there from an earlier run into ``out`` stays unless
-    this one has it too. Returns the file's content."""
+    (case -> steps) added: what an earlier run into ``out`` wrote stays, but for the case and
+    variant this one traced again. Returns the file's content."""
     path = out / "kernels.json"
     doc = json.loads(path.read_text()) if path.exists() else {"steps": {}, "cases": {}}
     doc.update(device=str(jax.devices()[0]), jax=jax.__version__)
     doc["steps"] = {**doc["steps"], **steps}
-    doc["cases"] = {**doc["cases"], **cases}
+    for case, variants in cases.items():
+        doc["cases"][case] = {**doc["cases"].get(case, {}), **variants}
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc

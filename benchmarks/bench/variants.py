@@ -340,9 +340,11 @@ VARIANTS |= {
 }
 
 # The GPU results' variant names (``--gpu-results``, results_gpu.json) and the variants they
-# run: DynamicScale with the ieee check for the library's two paths.
+# run: DynamicScale with the ieee check for the library's two paths; the conditional forced
+# (``*_cond``) where asked for (``--variants``), the others by default (``GPU_DEFAULT``).
 GPU_VARIANTS = {
     "plain": "plain",
+    "plain_scaled": "plain_scaled",
     "lsj_optax": "lsj_optax_ieee",
     "lsj_fused": "lsj_fused_ieee",
     "lsj_headroom_taps": "lsj_headroom_taps",
@@ -350,7 +352,10 @@ GPU_VARIANTS = {
     "flax": "flax",
     "optax_if_finite": "optax_if_finite",
     "where_skip": "where_skip",
+    "lsj_optax_cond": "lsj_optax_cond_ieee",
+    "lsj_fused_cond": "lsj_fused_cond_ieee",
 }
+GPU_DEFAULT = tuple(n for n in GPU_VARIANTS if not n.endswith("_cond"))
 # The package a variant imports beyond lossscale_jax's own dependencies.
 PACKAGES = {"jmp": "jmp", "flax": "flax"}
 
