@@ -1,92 +1,114 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, on a machine with one CUDA GPU (README.md, "On a GPU"):
 #
-#   1. the GPU benchmark (lm_185m, full and post step, both modes)  -> results_gpu.json, .md
-#   2. the full step of plain, plain_scaled (a constant loss scale, nothing else), ours and
-#      the peers, kernel by kernel                                   -> kernels.json,
+#   1. the GPU benchmark: lm_185m, full and post step, both modes, 3 rounds; plain,
+#      plain_scaled (a constant loss scale, nothing else), ours, the peers and a bare
+#      jnp.where skip; then each step's device time per step, each variant's steps in a
+#      profiler trace, kernel by kernel                              -> results_gpu.json, .md,
+#                                                                       kernels.json,
 #                                                                       profile.tar.gz
-#   3. the skip's two formulations, the select per leaf the GPU takes against a lax.cond,
-#      and plain_scaled against plain, with the optimized HLO of every step kept for reading
-#      afterwards                                                    -> select.json, .md,
-#                                                                       hlo.tar.gz
-#   4. what plain's float16 backward pass loses to underflow (--underflow), for the whole
+#   2. the skip's two formulations on the post step, the select per leaf the GPU takes
+#      against a lax.cond, timed and by device time                  -> select.json
+#      (the optimized HLO of every step parts 1 and 2 compile)       -> hlo.tar.gz
+#   3. what plain's float16 backward pass loses to underflow (--underflow), for the whole
 #      step's ~4%                                                     -> tests.log
-#   5. the test suite on the GPU (make test-gpu)                     -> tests.log
+#   4. the RL job at its GPU size (examples/train_rl.py --size gpu: 85M parameters, each
+#      path on the GPU's own kernels)                                 -> rl_results_gpu.json
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]
-# Eight files land in OUTDIR; SECONDS (default 540) bounds the whole run: each part gets what
-# the earlier ones left (the suite last, as it matters least for the measurements), and a
-# part cut short still leaves what it wrote. GPU_CHECK_QUICK=1 rehearses it on CPU in a
-# minute (lm_tiny, two rounds, one test module).
+# Eight files land in OUTDIR (tests.log: the machine, each part's output). SECONDS (default
+# 450) bounds the whole run: each part gets what the earlier ones left, less the time kept
+# for the RL job (RL_SECONDS, default 150), which comes last and gets the rest; a part cut
+# short still leaves what it wrote. Parts 1 and 2 share a compilation cache. The test suite
+# is not part of it: `make test-gpu` runs it, in a call of its own. GPU_CHECK_QUICK=1
+# rehearses the whole on CPU (lm_tiny, two rounds, the RL job's GPU code at its small size;
+# default SECONDS 900 and RL_SECONDS 300: a CPU compiles the RL job's twelve programs slowly).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]}
-budget=${2:-540}
+quick=${GPU_CHECK_QUICK:-0}
+budget=${2:-$( ((quick)) && echo 900 || echo 450)}
+rl_seconds=${RL_SECONDS:-$( ((quick)) && echo 300 || echo 150)}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 work=$(mktemp -d)
 start=$SECONDS
 left() { echo $((budget - (SECONDS - start))); }
-# pack FOLDER PATTERN NAME: the files of $work/FOLDER named PATTERN into $out/NAME (tar.gz).
-pack() { (cd "$work" && find "$1" -name "$2" -print0 2>/dev/null |
-    tar -czf "$out/$3" --null -T -); }
-# The checkout itself is imported (no install needed). The suite imports jmp (pure Python:
-# `pip install jmp==0.0.4`, or its wheel put on PYTHONPATH); the benchmark skips it, saying so.
+# Seconds for a part before the RL job: what is left, less the RL job's share (at least 10).
+part() { local s=$(($(left) - rl_seconds)); echo $((s > 10 ? s : 10)); }
+# pack NAME FOLDER PATTERN...: the files of $work/FOLDER named any PATTERN into $out/NAME
+# (tar.gz).
+pack() {
+    local name=$1 folder=$2 expr=()
+    shift 2
+    for p in "$@"; do expr+=(${expr[@]:+-o} -name "$p"); done
+    (cd "$work" && find "$folder" \( "${expr[@]}" \) -print0 2>/dev/null |
+        tar -czf "$out/$name" --null -T -)
+}
+# The checkout itself is imported (no install needed). jmp is optional: the benchmark skips
+# it, saying so.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export JAX_COMPILATION_CACHE_DIR=$work/cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${GPU_CHECK_COMMIT:-unrecorded}")
 
-if [[ ${GPU_CHECK_QUICK:-0} == 1 ]]; then
+if ((quick)); then
     model=lm_tiny
     bench_size=(--rounds 2 --iters 1 --steps 2)
-    profile_steps=2
-    tests=(env JAX_PLATFORMS=cpu python -m pytest -q -p no:benchmark tests/test_division.py)
+    device_steps=2
+    rl=(--size gpu_tiny --quick --seeds 1 --steps 2)
+    rl_file=rl_results_gpu_tiny.json
 else
     model=lm_185m
-    bench_size=()
-    profile_steps=10
-    tests=(make test-gpu PYTHON=python GPU_TEST_WORKERS=4)
+    bench_size=(--rounds 3)
+    device_steps=20
+    rl=(--size gpu)
+    rl_file=rl_results_gpu.json
 fi
-cases=("$model/in_out/fp16grad/full" "$model/in_out/fp16grad/post")
+full="$model/in_out/fp16grad/full"
+post="$model/in_out/fp16grad/post"
 
 {
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
     python -c 'import jax, optax; print("jax", jax.__version__, "optax", optax.__version__,
         jax.devices())'
+    echo "lossscale_jax at $commit"
 } > "$out/tests.log" 2>&1
 
-echo "== 1. the GPU benchmark ($(left) s left)" | tee -a "$out/tests.log"
-timeout "$(left)" python benchmarks/bench_step.py --gpu-results "$out/results_gpu.json" \
-    --cases "${cases[@]}" "${bench_size[@]}" 2>&1 | tail -n 40 >> "$out/tests.log"
-
-echo "== 2. kernel by kernel ($(left) s left)" | tee -a "$out/tests.log"
-timeout "$(left)" python benchmarks/bench_step.py --profile "$work/profile" \
-    --cases "${cases[0]}" --steps "${profile_steps}" 2>&1 | tail -n 20 >> "$out/tests.log"
+echo "== 1. the GPU benchmark, each step's device time ($(part) s of $(left) s)" |
+    tee -a "$out/tests.log"
+XLA_FLAGS="--xla_dump_to=$work/hlo" timeout -k 5 "$(part)" python benchmarks/bench_step.py \
+    --gpu-results "$out/results_gpu.json" --cases "$full" "$post" "${bench_size[@]}" \
+    --device-steps "$device_steps" --profile "$work/profile" \
+    --label "benchmarks/gpu_check.sh part 1, lossscale_jax at $commit" \
+    2>&1 | tail -n 70 >> "$out/tests.log"
 [[ -f $work/profile/kernels.json ]] && cp "$work/profile/kernels.json" "$out/kernels.json"
-pack profile 'perfetto_trace.json.gz' profile.tar.gz
+pack profile.tar.gz profile 'perfetto_trace.json.gz'
 
-echo "== 3. a select against lax.cond, plain_scaled, HLO kept ($(left) s left)" | tee -a "$out/tests.log"
-XLA_FLAGS="--xla_dump_to=$work/hlo" timeout "$(left)" python benchmarks/bench_step.py \
-    --cases "${cases[@]}" --out "$work/select" "${bench_size[@]}" \
-    --allocators default --modes throughput \
-    --variants plain plain_scaled lsj_optax_ieee lsj_optax_cond_ieee lsj_fused_ieee \
-    lsj_fused_cond_ieee \
-    2>&1 | tail -n 40 >> "$out/tests.log"
-for ext in json md; do
-    [[ -f $work/select/results.$ext ]] && cp "$work/select/results.$ext" "$out/select.$ext"
-done
-# The optimized modules only (the steps, their names as the benchmark jits them).
-pack hlo '*after_optimizations.txt' hlo.tar.gz
+echo "== 2. a select against lax.cond, the post step ($(part) s of $(left) s)" |
+    tee -a "$out/tests.log"
+XLA_FLAGS="--xla_dump_to=$work/hlo" timeout -k 5 "$(part)" python benchmarks/bench_step.py \
+    --gpu-results "$work/select/select.json" --cases "$post" "${bench_size[@]}" \
+    --device-steps "$device_steps" --modes throughput \
+    --variants plain lsj_optax lsj_optax_cond lsj_fused lsj_fused_cond \
+    --label "benchmarks/gpu_check.sh part 2, lossscale_jax at $commit" \
+    2>&1 | tail -n 30 >> "$out/tests.log"
+[[ -f $work/select/select.json ]] && cp "$work/select/select.json" "$out/select.json"
+# The optimized modules of the steps only (jit_full, jit_post; the module ids ascend in the
+# order the variants compiled, as parts 1 and 2 list them).
+pack hlo.tar.gz hlo '*jit_full*after_optimizations.txt' '*jit_post*after_optimizations.txt'
 
-echo "== 4. underflow in plain's backward pass ($(left) s left)" | tee -a "$out/tests.log"
-timeout "$(left)" python benchmarks/bench_step.py --underflow --cases "${cases[0]}" \
+echo "== 3. underflow in plain's backward pass ($(part) s of $(left) s)" |
+    tee -a "$out/tests.log"
+timeout -k 5 "$(part)" python benchmarks/bench_step.py --underflow --cases "$full" \
     --out "$work/underflow" 2>&1 | tail -n 5 >> "$out/tests.log"
 
-echo "== 5. the test suite ($(left) s left)" | tee -a "$out/tests.log"
-if (($(left) > 30)); then
-    timeout "$(left)" "${tests[@]}" 2>&1 | tail -n 150 >> "$out/tests.log"
-    echo "suite exit status: ${PIPESTATUS[0]} (124: cut at the budget)" >> "$out/tests.log"
-else
-    echo "no time left for the suite" >> "$out/tests.log"
-fi
+echo "== 4. the RL job, ${rl[*]} ($(left) s left)" | tee -a "$out/tests.log"
+timeout -k 5 "$(left)" python examples/train_rl.py "${rl[@]}" --no-progress --out "$work/rl" \
+    2>&1 | tail -n 30 >> "$out/tests.log"
+echo "RL job exit status: ${PIPESTATUS[0]} (124: cut at the budget)" >> "$out/tests.log"
+[[ -f $work/rl/$rl_file ]] && cp "$work/rl/$rl_file" "$out/rl_results_gpu.json"
+
 rm -rf "$work"
 echo "done in $((SECONDS - start)) s; wrote: $(ls "$out" | tr '\n' ' ')" | tee -a "$out/tests.log"

@@ -15,9 +15,10 @@ JAX functions so that the same weights run both paths. It is pretrained briefly
 in float32 on the Python Language Reference (``pydoc_data.topics``), then
 fine-tuned with GRPO:
 
-- a step samples ``GROUP`` completions of ``GEN`` characters for each of
-  ``PROMPTS`` prompts (``PROMPT_LEN`` characters of the training text) with the
-  inference path, in the configuration's compute dtype, at temperature 1;
+- a step samples ``group`` completions of ``gen`` characters for each of
+  ``prompts`` prompts (``prompt_len`` characters of the training text; the
+  ``Size``'s fields) with the inference path, in the configuration's compute
+  dtype, at temperature 1;
 - the reward of a completion is the share of its characters that are vowels
   (``aeiou``): a rule a small model learns to raise in a few hundred steps;
 - advantages are group-normalised (reward minus the group's mean, over its std);
@@ -27,7 +28,7 @@ fine-tuned with GRPO:
   where ``r = exp(logp_train - logp_rollout)`` is the importance ratio between the
   training step and the rollout: one update per rollout, so ``r`` is the mismatch.
 
-Each step's batch (``PROMPTS * GROUP * GEN`` = 1,024 completion tokens) is one
+Each step's batch (``prompts * group * gen`` = 1,024 completion tokens) is one
 micro-batch of an update of ``UPDATE_TOKENS`` = 2^20 tokens (512 responses of
 2,048 tokens, the size of an RL fine-tuning update of a language model): a token
 mean over the update divides each micro-batch's loss by 1,024. The job takes one
@@ -68,7 +69,19 @@ Output in ``OUT`` (default ``out/``): ``rl_results.json`` (one row per
 configuration and seed: reward and mismatch averaged over the last quarter of the
 steps), ``rl_table.md`` and ``rl_plot.png`` (reward and mismatch per step).
 
-Run: ``python examples/train_rl.py [--steps N] [--seeds K] [--out DIR] [--quick]``
+Sizes (``--size``): ``cpu``, the job above (the default); ``gpu``, a policy of
+85M parameters (d_model 768, 12 layers, 12 heads, context 128) sampling 8
+completions of 96 characters for each of 8 prompts of 32, 24 steps x 2 seeds,
+with each path on the backend's own kernels and nothing emulated: the matmuls
+in the compute dtype as the backend computes them (float32 at full precision,
+not TF32), ``jax.nn.dot_product_attention`` in the training step (cuDNN's
+fused attention on a GPU where it applies), and the rollout's decoding loop as
+XLA compiles it; its files end ``_gpu`` (``rl_results_gpu.json``). On a GPU
+only: a CPU would take hours. ``gpu_tiny`` is the ``gpu`` size's code at the
+``cpu`` size's dimensions, to run that code on a CPU.
+
+Run: ``python examples/train_rl.py [--size S] [--steps N] [--seeds K] [--out DIR]
+[--quick]``
 """
 
 from __future__ import annotations
@@ -78,6 +91,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import time
 from collections.abc import Sequence
@@ -93,25 +107,65 @@ import lossscale_jax as lsj
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
-# Model (the main job's GPT).
-D_MODEL, N_LAYER, N_HEAD, CONTEXT = 64, 2, 4, 64
-HEAD_DIM = D_MODEL // N_HEAD
+# Pretraining: float32, AdamW, 16 context windows per step.
+PRETRAIN_BATCH, PRETRAIN_LR = 16, 3e-3
 
-# Pretraining: float32, AdamW, 16 windows of 64 characters per step.
-PRETRAIN_STEPS, PRETRAIN_BATCH, PRETRAIN_LR = 200, 16, 3e-3
-
-# RL: prompts per step, completions per prompt, characters.
-PROMPTS, GROUP, PROMPT_LEN, GEN = 4, 8, 8, 32
-SEQ = PROMPT_LEN + GEN  # 40 <= CONTEXT
-BATCH_TOKENS = PROMPTS * GROUP * GEN  # 1,024 completion tokens per step
 UPDATE_TOKENS = 2**20  # tokens per optimizer update in LLM RL fine-tuning
-LOSS_WEIGHT = BATCH_TOKENS / UPDATE_TOKENS  # 1/1024
 EPS = 0.2  # the ratio's clip
 LR, WARMUP, CLIP_NORM = 5e-5, 10, 1.0  # CLIP_NORM: the update's gradient norm
 VOWELS = "aeiou"
 
-STEPS = 160
 LAST = 0.25  # reward and mismatch: the mean over the last quarter of the steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A size of the job: the model, a step's rollout, the run, and whose kernels."""
+
+    name: str
+    d_model: int
+    n_layer: int
+    n_head: int
+    context: int
+    prompts: int  # prompts per step
+    group: int  # completions per prompt
+    prompt_len: int  # characters
+    gen: int  # characters per completion
+    steps: int  # GRPO steps (default)
+    seeds: int  # (default)
+    pretrain_steps: int  # (default)
+    # True: the kernels written to round as a GPU's do (each matmul sums in float32
+    # and rounds its result; the rollout's attention rounds as FlashAttention's), so
+    # that a CPU shows the mismatch. False: each path on the backend's own kernels.
+    emulated: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def seq(self) -> int:  # prompt and completion, <= context
+        return self.prompt_len + self.gen
+
+    @property
+    def batch_tokens(self) -> int:  # completion tokens per step
+        return self.prompts * self.group * self.gen
+
+    @property
+    def loss_weight(self) -> float:  # the step's share of the update's token mean
+        return self.batch_tokens / UPDATE_TOKENS
+
+
+SIZES = {
+    # The main job's GPT (110k parameters): 1,024 tokens a step, 160 steps x 3 seeds.
+    "cpu": Size("cpu", 64, 2, 4, 64, 4, 8, 8, 32, 160, 3, 200, emulated=True),
+    # 85M parameters, 6,144 tokens a step, 24 steps x 2 seeds: a GPU's own kernels.
+    "gpu": Size("gpu", 768, 12, 12, 128, 8, 8, 32, 96, 24, 2, 200, emulated=False),
+    # The gpu size's code at the cpu size's dimensions (a CPU runs it).
+    "gpu_tiny": Size(
+        "gpu_tiny", 64, 2, 4, 64, 4, 8, 8, 32, 160, 3, 200, emulated=False
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,17 +211,18 @@ def load_corpus() -> tuple[str, np.ndarray]:
 # the compute dtype.
 
 
-def init_params(key: jax.Array, vocab: int) -> dict[str, Any]:
+def init_params(size: Size, key: jax.Array, vocab: int) -> dict[str, Any]:
     """GPT-2 initialisation: normal(0.02), residual projections scaled down by
-    sqrt(2 N_LAYER)."""
-    keys = iter(jax.random.split(key, 2 + 4 * N_LAYER))
-    std, proj = 0.02, 0.02 / math.sqrt(2 * N_LAYER)
+    sqrt(2 n_layer)."""
+    d, n_layer = size.d_model, size.n_layer
+    keys = iter(jax.random.split(key, 2 + 4 * n_layer))
+    std, proj = 0.02, 0.02 / math.sqrt(2 * n_layer)
 
     def normal(shape, s=std):
         return s * jax.random.normal(next(keys), shape, F32)
 
     def ln():
-        return {"scale": jnp.ones(D_MODEL, F32), "bias": jnp.zeros(D_MODEL, F32)}
+        return {"scale": jnp.ones(d, F32), "bias": jnp.zeros(d, F32)}
 
     def dense(n_in, n_out, s=std):
         return {"kernel": normal((n_in, n_out), s), "bias": jnp.zeros(n_out, F32)}
@@ -175,17 +230,17 @@ def init_params(key: jax.Array, vocab: int) -> dict[str, Any]:
     blocks = [
         {
             "ln1": ln(),
-            "qkv": dense(D_MODEL, 3 * D_MODEL),
-            "proj": dense(D_MODEL, D_MODEL, proj),
+            "qkv": dense(d, 3 * d),
+            "proj": dense(d, d, proj),
             "ln2": ln(),
-            "fc": dense(D_MODEL, 4 * D_MODEL),
-            "fc_proj": dense(4 * D_MODEL, D_MODEL, proj),
+            "fc": dense(d, 4 * d),
+            "fc_proj": dense(4 * d, d, proj),
         }
-        for _ in range(N_LAYER)
+        for _ in range(n_layer)
     ]
     return {
-        "wte": normal((vocab, D_MODEL)),
-        "wpe": normal((CONTEXT, D_MODEL)),
+        "wte": normal((vocab, d)),
+        "wpe": normal((size.context, d)),
         "blocks": blocks,
         "ln_f": ln(),
     }
@@ -205,52 +260,75 @@ def layer_norm(p, x):
     return y * p["scale"] + p["bias"]
 
 
-def mm(spec, a, b):
-    """A matmul as a GPU computes one: products summed in float32, the result rounded
-    to the compute dtype (XLA on a CPU would otherwise sum float16 in float16)."""
-    return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(a.dtype)
+def mm(size: Size, spec, a, b):
+    """A matmul in the compute dtype. Emulated: as a GPU computes one, products summed
+    in float32 and the result rounded to the compute dtype (XLA on a CPU would
+    otherwise sum float16 in float16). Else the backend's own (a GPU's: the same
+    arithmetic, in cuBLAS's kernels), float32 at full precision (a GPU's default for
+    float32 is TF32, whose 10-bit products would not make float32 the reference)."""
+    if size.emulated:
+        return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(a.dtype)
+    return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST)
 
 
-def dense(p, x):
-    return mm("...i,io->...o", x, p["kernel"]) + p["bias"]
+def dense(size: Size, p, x):
+    return mm(size, "...i,io->...o", x, p["kernel"]) + p["bias"]
 
 
-def mlp(p, x):
-    return x + dense(p["fc_proj"], jax.nn.gelu(dense(p["fc"], layer_norm(p["ln2"], x))))
+def mlp(size: Size, p, x):
+    h = jax.nn.gelu(dense(size, p["fc"], layer_norm(p["ln2"], x)))
+    return x + dense(size, p["fc_proj"], h)
 
 
 def scores_of(q, k, spec):
     """float32 attention scores (the matmul's float32 sums, kept)."""
-    return jnp.einsum(spec, q * HEAD_DIM**-0.5, k, preferred_element_type=F32)
+    return jnp.einsum(spec, q * q.shape[-1] ** -0.5, k, preferred_element_type=F32)
 
 
-def attend(q, k, v, mask):
-    """The training path's attention: the softmax in float32, normalised, rounded to
-    the compute dtype, times the values. q (b, t, h, d), k and v (b, t, h, d)."""
-    scores = scores_of(q, k, "bqhd,bkhd->bhqk")
+def attend(size: Size, q, k, v):
+    """The training path's causal attention; q, k and v (b, t, h, d). Emulated: the
+    softmax in float32, normalised, rounded to the compute dtype, times the values.
+    Else ``jax.nn.dot_product_attention`` in a 16-bit dtype on an accelerator (cuDNN's
+    fused kernel on a GPU where it applies), and otherwise the same written out in the
+    compute dtype (float32 at full precision; XLA:CPU refuses float16 dots that sum in
+    float32, which the fused function asks for)."""
+    if not size.emulated and jax.default_backend() != "cpu" and q.dtype != F32:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    t = q.shape[1]
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    if size.emulated:
+        scores = scores_of(q, k, "bqhd,bkhd->bhqk")
+    else:
+        scores = mm(size, "bqhd,bkhd->bhqk", q * q.shape[-1] ** -0.5, k).astype(F32)
     att = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
-    return mm("bhqk,bkhd->bqhd", att, v)
+    return mm(size, "bhqk,bkhd->bqhd", att, v)
 
 
-def attend_cached(q, k, v, mask):
-    """The inference path's attention of one query per sequence over the cache, as
-    FlashAttention computes it: the unnormalised weights ``exp(s - max)`` rounded to
-    the compute dtype for the weights-times-values matmul, the result divided by the
-    float32 sum of the unrounded weights. q (b, h, d), k and v (b, CONTEXT, h, d)."""
+def attend_cached(size: Size, q, k, v, mask):
+    """The inference path's attention of one query per sequence over the cache; q
+    (b, h, d), k and v (b, context, h, d). Emulated: as FlashAttention computes it, the
+    unnormalised weights ``exp(s - max)`` rounded to the compute dtype for the
+    weights-times-values matmul, the result divided by the float32 sum of the
+    unrounded weights. Else the decoding step's attention written plainly (the scores
+    in the compute dtype, the softmax in float32), compiled as the backend does."""
+    if not size.emulated:
+        s = mm(size, "bhd,bkhd->bhk", q * q.shape[-1] ** -0.5, k).astype(F32)
+        att = jax.nn.softmax(jnp.where(mask[:, None, :], s, -jnp.inf), axis=-1)
+        return mm(size, "bhk,bkhd->bhd", att.astype(q.dtype), v)
     scores = jnp.where(mask[:, None, :], scores_of(q, k, "bhd,bkhd->bhk"), -jnp.inf)
     w = jnp.exp(scores - scores.max(-1, keepdims=True))
     out = jnp.einsum("bhk,bkhd->bhd", w.astype(q.dtype), v, preferred_element_type=F32)
     return (out / w.sum(-1)[..., None]).astype(q.dtype)
 
 
-def logits_of(params, x):
+def logits_of(size: Size, params, x):
     """The logits of the tied output embedding, in x's dtype (tapped there), then cast
     to float32 for the softmax."""
-    logits = mm("...d,vd->...v", layer_norm(params["ln_f"], x), params["wte"])
+    logits = mm(size, "...d,vd->...v", layer_norm(params["ln_f"], x), params["wte"])
     return lsj.tap(logits, "logits").astype(F32)
 
 
-def forward(params, tokens):
+def forward(size: Size, params, tokens):
     """The training path: float32 logits (batch, T, vocab), one pass over ``tokens``.
 
     Each block's output and the logits are tapped (``lsj.tap``: the identity outside
@@ -258,56 +336,56 @@ def forward(params, tokens):
     """
     t = tokens.shape[-1]
     x = params["wte"][tokens] + params["wpe"][:t]
-    causal = jnp.tril(jnp.ones((t, t), bool))
     for i, p in enumerate(params["blocks"]):
         b, _, d = x.shape
-        qkv = dense(p["qkv"], layer_norm(p["ln1"], x)).reshape(
-            b, t, 3, N_HEAD, HEAD_DIM
-        )
-        y = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal).reshape(b, t, d)
-        x = lsj.tap(mlp(p, x + dense(p["proj"], y)), f"block{i}")
-    return logits_of(params, x)
+        qkv = dense(size, p["qkv"], layer_norm(p["ln1"], x))
+        qkv = qkv.reshape(b, t, 3, size.n_head, size.head_dim)
+        y = attend(size, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, t, d)
+        x = lsj.tap(mlp(size, p, x + dense(size, p["proj"], y)), f"block{i}")
+    return logits_of(size, params, x)
 
 
-def decode_step(params, cache, token, pos):
+def decode_step(size: Size, params, cache, token, pos):
     """The inference path: one token per sequence at position ``pos``, attending to the
-    key/value cache (``(layers, 2, batch, CONTEXT, heads, head_dim)``); returns the
+    key/value cache (``(layers, 2, batch, context, heads, head_dim)``); returns the
     float32 logits of the next token and the updated cache."""
     x = params["wte"][token] + params["wpe"][pos]  # (batch, d)
-    mask = (jnp.arange(CONTEXT) <= pos)[None, :]
+    mask = (jnp.arange(size.context) <= pos)[None, :]
     for i, p in enumerate(params["blocks"]):
-        q, k, v = jnp.split(dense(p["qkv"], layer_norm(p["ln1"], x)), 3, axis=-1)
-        heads = (x.shape[0], 1, N_HEAD, HEAD_DIM)
+        qkv = dense(size, p["qkv"], layer_norm(p["ln1"], x))
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        heads = (x.shape[0], 1, size.n_head, size.head_dim)
         kv = jnp.stack([k.reshape(heads), v.reshape(heads)])
         cache = cache.at[i].set(lax.dynamic_update_slice_in_dim(cache[i], kv, pos, 2))
-        y = attend_cached(q.reshape(heads)[:, 0], cache[i, 0], cache[i, 1], mask)
+        y = attend_cached(size, q.reshape(heads)[:, 0], cache[i, 0], cache[i, 1], mask)
         y = y.reshape(x.shape)
-        x = mlp(p, x + dense(p["proj"], y))
-    return logits_of(params, x), cache
+        x = mlp(size, p, x + dense(size, p["proj"], y))
+    return logits_of(size, params, x), cache
 
 
 # --------------------------------------------------------------------------
 # Pretraining (float32): the policy every configuration starts from.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def pretrain(vocab: int, steps: int, tokens: jax.Array, key: jax.Array):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def pretrain(size: Size, vocab: int, steps: int, tokens: jax.Array, key: jax.Array):
     """``(params, losses)``: ``steps`` AdamW steps of next-character prediction."""
     k_init, k_data = jax.random.split(key)
-    params = init_params(k_init, vocab)
+    params = init_params(size, k_init, vocab)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, PRETRAIN_LR, min(20, steps // 2), steps, PRETRAIN_LR / 30
     )
     tx = optax.adamw(schedule, b2=0.99, weight_decay=0.1)
-    high = tokens.shape[0] - CONTEXT - 1
+    context = size.context
+    high = tokens.shape[0] - context - 1
     starts = jax.random.randint(k_data, (steps, PRETRAIN_BATCH), 0, high)
 
     def step(carry, offsets):
         params, opt_state = carry
-        w = tokens[offsets[:, None] + jnp.arange(CONTEXT + 1)]
+        w = tokens[offsets[:, None] + jnp.arange(context + 1)]
 
         def loss_fn(p):
-            logits = forward(p, w[:, :-1])
+            logits = forward(size, p, w[:, :-1])
             xent = optax.softmax_cross_entropy_with_integer_labels(logits, w[:, 1:])
             return xent.mean()
 
@@ -326,66 +404,71 @@ def pretrain(vocab: int, steps: int, tokens: jax.Array, key: jax.Array):
 class Batch(NamedTuple):
     """One step's rollout: what the inference engine hands to the trainer."""
 
-    seq: jax.Array  # (n, SEQ) int32: prompt and completion
-    logp_rollout: jax.Array  # (n, GEN) float32: the completion's log-probs, rollout
+    seq: jax.Array  # (n, seq) int32: prompt and completion
+    logp_rollout: jax.Array  # (n, gen) float32: the completion's log-probs, rollout
     advantage: jax.Array  # (n,) float32: group-normalised reward
     reward: jax.Array  # () float32: the mean reward of the step's completions
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def rollout(dtype, params, tokens, offsets, key, vowels) -> Batch:
-    """``GROUP`` completions per prompt, sampled with the key/value cache in ``dtype``.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def rollout(size: Size, dtype, params, tokens, offsets, key, vowels) -> Batch:
+    """``group`` completions per prompt, sampled with the key/value cache in ``dtype``.
 
-    The prompts are ``PROMPT_LEN`` characters of ``tokens`` at ``offsets``; sampling
+    The prompts are ``prompt_len`` characters of ``tokens`` at ``offsets``; sampling
     is at temperature 1 from the float32 logits; ``vowels`` is 1.0 for the vowels'
     ids, 0.0 for the other characters.
     """
     p = cast(params, dtype)
-    prompts = tokens[offsets[:, None] + jnp.arange(PROMPT_LEN)]
-    n = PROMPTS * GROUP
-    seq = jnp.zeros((n, SEQ), jnp.int32)
-    seq = seq.at[:, :PROMPT_LEN].set(jnp.repeat(prompts, GROUP, axis=0))
-    cache = jnp.zeros((N_LAYER, 2, n, CONTEXT, N_HEAD, HEAD_DIM), dtype)
+    prompts = tokens[offsets[:, None] + jnp.arange(size.prompt_len)]
+    n = size.prompts * size.group
+    seq = jnp.zeros((n, size.seq), jnp.int32)
+    seq = seq.at[:, : size.prompt_len].set(jnp.repeat(prompts, size.group, axis=0))
+    heads = (size.n_head, size.head_dim)
+    cache = jnp.zeros((size.n_layer, 2, n, size.context, *heads), dtype)
 
     def body(carry, xs):
         seq, cache = carry
         pos, k = xs  # feed the token at pos, predict the one at pos + 1
-        logits, cache = decode_step(p, cache, seq[:, pos], pos)
+        logits, cache = decode_step(size, p, cache, seq[:, pos], pos)
         sampled = jax.random.categorical(k, logits).astype(jnp.int32)
-        nxt = jnp.where(pos + 1 < PROMPT_LEN, seq[:, pos + 1], sampled)  # prompt: fed
+        fed = pos + 1 < size.prompt_len  # the prompt is fed, not sampled
+        nxt = jnp.where(fed, seq[:, pos + 1], sampled)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), nxt[:, None], -1)
         return (seq.at[:, pos + 1].set(nxt), cache), logp[:, 0]
 
-    xs = (jnp.arange(SEQ - 1), jax.random.split(key, SEQ - 1))
+    xs = (jnp.arange(size.seq - 1), jax.random.split(key, size.seq - 1))
     (seq, _), logp = lax.scan(body, (seq, cache), xs)
-    reward = vowels[seq[:, PROMPT_LEN:]].mean(-1).reshape(PROMPTS, GROUP)
+    reward = vowels[seq[:, size.prompt_len :]].mean(-1)
+    reward = reward.reshape(size.prompts, size.group)
     centred = reward - reward.mean(-1, keepdims=True)
     advantage = centred / (reward.std(-1, keepdims=True) + 1e-6)
-    return Batch(seq, logp.T[:, PROMPT_LEN - 1 :], advantage.reshape(-1), reward.mean())
+    logp = logp.T[:, size.prompt_len - 1 :]
+    return Batch(seq, logp, advantage.reshape(-1), reward.mean())
 
 
-def token_logp(params, seq):
-    """The training path's float32 log-probs of the completions' tokens, (n, GEN)."""
-    logp = jax.nn.log_softmax(forward(params, seq[:, :-1]))
+def token_logp(size: Size, params, seq):
+    """The training path's float32 log-probs of the completions' tokens, (n, gen)."""
+    logp = jax.nn.log_softmax(forward(size, params, seq[:, :-1]))
     logp = jnp.take_along_axis(logp, seq[:, 1:, None], -1)[..., 0]
-    return logp[:, PROMPT_LEN - 1 :]
+    return logp[:, size.prompt_len - 1 :]
 
 
-def grpo_loss(params, batch: Batch):
-    """``(loss, logp)``: the clipped surrogate's token mean times ``LOSS_WEIGHT``."""
-    logp = token_logp(params, batch.seq)
+def grpo_loss(size: Size, params, batch: Batch):
+    """``(loss, logp)``: the clipped surrogate's token mean times the step's share of
+    the update (``size.loss_weight``)."""
+    logp = token_logp(size, params, batch.seq)
     ratio = jnp.exp(logp - batch.logp_rollout)  # training / rollout
     a = batch.advantage[:, None]
     surrogate = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - EPS, 1 + EPS) * a)
-    return -surrogate.mean() * LOSS_WEIGHT, logp
+    return -surrogate.mean() * size.loss_weight, logp
 
 
-def gradients(dtype, taps, params, batch, opt_state):
+def gradients(size: Size, dtype, taps, params, batch, opt_state):
     """``(grads, logp, taps)``: the gradient of the scaled loss with respect to the
     ``dtype`` copy of ``params``, the training path's log-probs, the taps (or None)."""
 
     def scaled_loss(p):
-        loss, logp = grpo_loss(p, batch)
+        loss, logp = grpo_loss(size, p, batch)
         return lsj.scale_loss(loss, opt_state), logp
 
     p16 = cast(params, dtype)
@@ -399,20 +482,20 @@ def gradients(dtype, taps, params, batch, opt_state):
 
 
 @functools.cache
-def make_tx(config: Config) -> optax.GradientTransformationExtraArgs:
+def make_tx(size: Size, config: Config) -> optax.GradientTransformationExtraArgs:
     """Clipping and AdamW inside ``loss_scaling``: the gradients are clipped unscaled.
 
-    Cached: one object per configuration, so its jitted step compiles once.
+    Cached: one object per size and configuration, so its jitted step compiles once.
     """
     inner = optax.chain(
-        optax.clip_by_global_norm(CLIP_NORM * LOSS_WEIGHT),
+        optax.clip_by_global_norm(CLIP_NORM * size.loss_weight),
         optax.adamw(optax.linear_schedule(0.0, LR, WARMUP), b2=0.99, weight_decay=0.0),
     )
     return lsj.loss_scaling(inner, config.policy)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def train_step(config: Config, params, opt_state, batch: Batch):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def train_step(size: Size, config: Config, params, opt_state, batch: Batch):
     """One GRPO update: ``(params, opt_state, grads, metrics)``.
 
     ``grads`` is the step's own gradient (compute dtype, scaled), for the probe;
@@ -421,8 +504,12 @@ def train_step(config: Config, params, opt_state, batch: Batch):
     p_train / p_rollout), the scale the step used and whether it was skipped.
     """
     scale = lsj.get_loss_scale_state(opt_state).scale
-    grads, logp, taps = gradients(config.dtype, config.taps, params, batch, opt_state)
-    updates, opt_state = make_tx(config).update(grads, opt_state, params, taps=taps)
+    grads, logp, taps = gradients(
+        size, config.dtype, config.taps, params, batch, opt_state
+    )
+    updates, opt_state = make_tx(size, config).update(
+        grads, opt_state, params, taps=taps
+    )
     log_ratio = logp - batch.logp_rollout
     metrics = dict(
         kl=jnp.mean(jnp.expm1(log_ratio) - log_ratio),
@@ -433,10 +520,10 @@ def train_step(config: Config, params, opt_state, batch: Batch):
     return optax.apply_updates(params, updates), opt_state, grads, metrics
 
 
-@jax.jit
-def reference_gradients(params, batch: Batch):
+@functools.partial(jax.jit, static_argnums=0)
+def reference_gradients(size: Size, params, batch: Batch):
     """The float32 gradient of the same loss (float32 compute, no scale)."""
-    return gradients(F32, False, params, batch, lsj.NoScale().init())[0]
+    return gradients(size, F32, False, params, batch, lsj.NoScale().init())[0]
 
 
 @jax.jit
@@ -454,11 +541,12 @@ def lost_entries(g: Any, g32: Any) -> tuple[jax.Array, jax.Array]:
 # The job.
 
 
-def prompt_offsets(seed: int, steps: int, n: int) -> jax.Array:
-    """(steps, PROMPTS) start offsets of the prompts in the ``n`` training characters,
+def prompt_offsets(size: Size, seed: int, steps: int, n: int) -> jax.Array:
+    """(steps, prompts) start offsets of the prompts in the ``n`` training characters,
     alike for every configuration."""
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.integers(0, n - PROMPT_LEN, (steps, PROMPTS), np.int32))
+    shape = (steps, size.prompts)
+    return jnp.asarray(rng.integers(0, n - size.prompt_len, shape, np.int32))
 
 
 def sample_keys(seed: int, steps: int) -> jax.Array:
@@ -478,51 +566,59 @@ def run(
     steps: int,
     seeds: int,
     probe_every: int,
-    pretrain_steps: int = PRETRAIN_STEPS,
+    pretrain_steps: int | None = None,
     progress: bool = True,
+    size: Size = SIZES["cpu"],
 ) -> dict[str, Any]:
-    """Pretrains the policy, then fine-tunes it with every configuration and seed."""
+    """Pretrains the policy (``size.pretrain_steps`` where None), then fine-tunes it
+    with every configuration and seed."""
     from tqdm.auto import tqdm
 
+    if pretrain_steps is None:
+        pretrain_steps = size.pretrain_steps
     chars, train = load_corpus()
     vocab = len(chars)
     tokens = jnp.asarray(train)
     vowels = jnp.asarray([c in VOWELS for c in chars], F32)
-    offsets = [prompt_offsets(seed, steps, len(train)) for seed in range(seeds)]
+    offsets = [prompt_offsets(size, seed, steps, len(train)) for seed in range(seeds)]
     keys = [sample_keys(seed, steps) for seed in range(seeds)]
 
-    # Compile every step function (two at a time) while the policy pretrains.
+    # Compile every step function (two at a time, or one per four cores) while the
+    # policy pretrains.
     params0 = jax.eval_shape(
-        functools.partial(init_params, vocab=vocab), jax.random.key(0)
+        functools.partial(init_params, size, vocab=vocab), jax.random.key(0)
     )
+    first = (tokens, offsets[0][0], keys[0][0], vowels)
     batches = {
-        d: jax.eval_shape(
-            rollout, d, params0, tokens, offsets[0][0], keys[0][0], vowels
-        )
+        d: jax.eval_shape(rollout, size, d, params0, *first)
         for d in dict.fromkeys([F32] + [c.dtype for c in CONFIGS])
     }
     lowered = []
     if pretrain_steps:
-        lowered.append(pretrain.lower(vocab, pretrain_steps, tokens, jax.random.key(0)))
+        lowered.append(
+            pretrain.lower(size, vocab, pretrain_steps, tokens, jax.random.key(0))
+        )
     lowered += [
-        rollout.lower(d, params0, tokens, offsets[0][0], keys[0][0], vowels)
+        rollout.lower(size, d, params0, *first)
         for d in dict.fromkeys(c.dtype for c in CONFIGS)
     ]
     for c in CONFIGS:
-        opt0 = jax.eval_shape(make_tx(c).init, params0)
-        lowered.append(train_step.lower(c, params0, opt0, batches[c.dtype]))
-    lowered.append(reference_gradients.lower(params0, batches[F32]))
+        opt0 = jax.eval_shape(make_tx(size, c).init, params0)
+        lowered.append(train_step.lower(size, c, params0, opt0, batches[c.dtype]))
+    lowered.append(reference_gradients.lower(size, params0, batches[F32]))
     lowered += [
         lost_entries.lower(jax.eval_shape(cast, params0, d), params0)
         for d in batches
         if d != F32
     ]
-    compile_in_parallel(lowered)
+    compile_in_parallel(lowered, max(2, (os.cpu_count() or 2) // 4))
 
     if pretrain_steps:
-        params0, pre_losses = pretrain(vocab, pretrain_steps, tokens, jax.random.key(0))
+        params0, pre_losses = pretrain(
+            size, vocab, pretrain_steps, tokens, jax.random.key(0)
+        )
     else:  # --pretrain-steps 0: the initial weights (the loss of a uniform guess)
-        params0 = init_params(jax.random.split(jax.random.key(0))[0], vocab)
+        params0 = init_params(size, jax.random.split(jax.random.key(0))[0], vocab)
         pre_losses = np.full(1, math.log(vocab))
     bar = tqdm(
         total=len(CONFIGS) * seeds * steps,
@@ -536,10 +632,11 @@ def run(
         bar.set_description(config.name)
         results[config.name] = []
         for seed in range(seeds):
-            params, opt_state = params0, make_tx(config).init(params0)
+            params, opt_state = params0, make_tx(size, config).init(params0)
             h: dict[str, list] = {k: [] for k in ("reward", "lost", "nonzero")}
             for t in range(steps):
                 batch = rollout(
+                    size,
                     config.dtype,
                     params,
                     tokens,
@@ -549,14 +646,14 @@ def run(
                 )
                 before = params
                 params, opt_state, grads, m = train_step(
-                    config, params, opt_state, batch
+                    size, config, params, opt_state, batch
                 )
                 h["reward"].append(batch.reward)
                 for k, v in m.items():
                     h.setdefault(k, []).append(v)
                 if t % probe_every == 0 and config.dtype != F32:
                     lost, nonzero = lost_entries(
-                        grads, reference_gradients(before, batch)
+                        grads, reference_gradients(size, before, batch)
                     )
                     h["lost"].append(lost)
                     h["nonzero"].append(nonzero)
@@ -568,6 +665,8 @@ def run(
             )
     bar.close()
     return dict(
+        size=size,
+        param_count=sum(int(x.size) for x in jax.tree_util.tree_leaves(params0)),
         results=results,
         steps=steps,
         seeds=seeds,
@@ -659,8 +758,14 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
 
 def format_table(rows: list[dict[str, Any]], job: dict[str, Any]) -> str:
     """Mean ± std over seeds per configuration, the targets, then what was run."""
-    steps, seeds = job["steps"], job["seeds"]
+    steps, seeds, size = job["steps"], job["seeds"], job["size"]
     last = max(1, round(LAST * steps))
+    described = ""
+    if size.name != "cpu":
+        described = (
+            f"of {job['param_count']:,} parameters (d_model {size.d_model}, "
+            f"{size.n_layer} layers; size {size.name}) "
+        )
     bf16 = {r["seed"]: r["mismatch_kl"] for r in _by_config(rows, "bf16")}
     lines = [
         f"| config | reward (last {last} steps) | mismatch KL (last {last} steps) | "
@@ -692,8 +797,8 @@ def format_table(rows: list[dict[str, Any]], job: dict[str, Any]) -> str:
     lines += [
         "",
         f"{steps} GRPO steps, {seeds} seed{plural}, mean ± std over seeds; each step "
-        f"{PROMPTS} prompts x {GROUP} completions of {GEN} characters "
-        f"({BATCH_TOKENS:,} tokens), from a policy pretrained for "
+        f"{size.prompts} prompts x {size.group} completions of {size.gen} characters "
+        f"({size.batch_tokens:,} tokens), from a policy {described}pretrained for "
         f"{job['pretrain_steps']} steps (float32, train loss "
         f"{job['pretrain_loss']:.2f}). Reward: the share of vowels in the completion. "
         "Mismatch: between the rollout's (key/value cache) and the training step's "
@@ -757,14 +862,23 @@ def plot(job: dict[str, Any], path: pathlib.Path) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--steps", type=int, default=None, help=f"GRPO steps (default {STEPS})"
+        "--size",
+        choices=sorted(SIZES),
+        default="cpu",
+        help="cpu: the GPT of 110k parameters, emulated GPU rounding (default); gpu: "
+        "85M parameters on a GPU's own kernels; gpu_tiny: that code at the cpu size",
     )
-    p.add_argument("--seeds", type=int, default=None, help="seeds (default 3)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="GRPO steps (default: the size's)"
+    )
+    p.add_argument(
+        "--seeds", type=int, default=None, help="seeds (default: the size's)"
+    )
     p.add_argument(
         "--pretrain-steps",
         type=int,
         default=None,
-        help=f"float32 pretraining steps (default {PRETRAIN_STEPS})",
+        help="float32 pretraining steps (default: the size's)",
     )
     p.add_argument(
         "--probe-every",
@@ -785,12 +899,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    size = args.size = SIZES[args.size]
     if args.steps is None:
-        args.steps = 8 if args.quick else STEPS
+        args.steps = 8 if args.quick else size.steps
     if args.seeds is None:
-        args.seeds = 2 if args.quick else 3
+        args.seeds = 2 if args.quick else size.seeds
     if args.pretrain_steps is None:
-        args.pretrain_steps = 0 if args.quick else PRETRAIN_STEPS
+        args.pretrain_steps = 0 if args.quick else size.pretrain_steps
     least = dict(steps=1, seeds=1, pretrain_steps=0, probe_every=1)
     for name, low in least.items():
         if getattr(args, name) < low:
@@ -809,17 +924,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.probe_every,
         pretrain_steps=args.pretrain_steps,
         progress=not args.no_progress,
+        size=args.size,
     )
     rows = result_rows(job)
     table = format_table(rows, job)
-    (args.out / "rl_results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (args.out / "rl_table.md").write_text(table + "\n")
-    plot(job, args.out / "rl_plot.png")
+    end = "" if args.size.name == "cpu" else f"_{args.size.name}"
+    results = args.out / f"rl_results{end}.json"
+    results.write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out / f"rl_table{end}.md").write_text(table + "\n")
+    plot(job, args.out / f"rl_plot{end}.png")
     print(table)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(
-        f"\nwrote {args.out / 'rl_results.json'}, rl_table.md and rl_plot.png in "
-        f"{wall:.0f} s ({cpu:.0f} s of CPU time)"
+        f"\nwrote {results}, rl_table{end}.md and rl_plot{end}.png in "
+        f"{wall:.0f} s ({cpu:.0f} s of CPU time) on {jax.devices()[0].device_kind}"
     )
     return dict(job=job, rows=rows, table=table, out=args.out, wall_s=wall, cpu_s=cpu)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -29,6 +31,7 @@ import lossscale_jax as lsj
 # The benchmark's package (benchmarks/bench/): its HLO reader serves the tests below too.
 breakdowns = import_benchmark("breakdowns")
 cli = import_benchmark("cli")
+gpu = import_benchmark("gpu")
 harness = import_benchmark("harness")
 hlo = import_benchmark("hlo")
 profiling = import_benchmark("profiling")
@@ -370,7 +373,11 @@ def test_benchmark_command_renders_the_saved_run(tmp_path):
     from results.json the results.md committed next to it, byte for byte."""
     shutil.copy(ROOT / "benchmarks" / "results.json", tmp_path)
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_step.py")]
-    subprocess.run([*command, "--render", "--out", str(tmp_path)], check=True)
+    # The package as this process imports it: from the checkout (installed or not: a GPU
+    # machine runs the suite from the source tree).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    subprocess.run([*command, "--render", "--out", str(tmp_path)], check=True, env=env)
     assert (tmp_path / "results.md").read_bytes() == (
         ROOT / "benchmarks" / "results.md"
     ).read_bytes()
@@ -431,9 +438,10 @@ def test_benchmark_prototypes_still_trace_and_stay_finite():
     rows = harness.run_case("tiny/in_out/fp16grad/post", names, 1, 1, False, lambda m: None)
     assert [r["variant"] for r in rows] == names
     # One conditional each of the library's steps (XLA:CPU takes the conditional), but the
-    # select formulation's, which has none; plain_scaled has no skip.
+    # select formulation's, which has none; plain_scaled has no skip, where_skip a select.
     for r in rows[1:]:
-        want = 0 if "_select_" in r["variant"] or r["variant"] == "plain_scaled" else 1
+        selects = "_select_" in r["variant"] or r["variant"] in ("plain_scaled", "where_skip")
+        want = 0 if selects else 1
         assert r["refused"] is None and r["conditionals"] == want, r
     rows = harness.run_case(
         "tiny/in_out/fp16grad/full", ["plain", *full_only], 1, 1, False, lambda m: None
@@ -442,6 +450,30 @@ def test_benchmark_prototypes_still_trace_and_stay_finite():
 
 
 @pytest.mark.slow
+def test_the_bare_where_skip_skips_and_otherwise_steps_as_plain_scaled():
+    """``where_skip``, the floor of a select skip: on an inf gradient the parameters and
+    Adam's state come back bit for bit; on good gradients the step is ``plain_scaled``'s (the
+    same unscale and Adam; to float32 rounding, as each compiles on its own)."""
+    case = workloads.build_case("tiny/in_out/fp16grad/post")
+    post = variants.VARIANTS["where_skip"](case.loss, case.pattern)[1]
+    plain_post, init = variants.VARIANTS["plain_scaled"](case.loss, case.pattern)[1:3]
+    state = init(case.params)
+    (grads,) = case.args
+    bad = dict(grads, **{"001": grads["001"].at[0].set(jnp.inf)})
+    assert_bits_equal(jax.jit(post)(case.params, state, bad), (case.params, state))
+    got, want = (
+        jax.jit(post)(case.params, state, grads),
+        jax.jit(plain_post)(case.params, state, grads),
+    )
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        # The same operations, compiled twice: a multiply and an add may be fused into one
+        # rounding in one program and not the other. The second moment is the furthest:
+        # the gradient's square, its product by 1 - b2 and the sum, up to 3 roundings apart,
+        # and the update and the parameter follow it by less: 4 float32 epsilons bound them.
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=4 * np.finfo(np.float32).eps)
+    assert not np.array_equal(got[0]["000"], case.params["000"])
+
+
 def test_benchmark_refuses_a_diverged_or_skipping_variant(monkeypatch):
     """The refusal can fail a variant: one whose parameters go non-finite, one that skips."""
 
@@ -574,6 +606,71 @@ def test_hlo_reader_on_xla_gpus_own_text():
         assert hlo.reads(cond, f"grads['{k:03d}']") >= 1 <= hlo.reads(select, f"grads['{k:03d}']")
 
 
+def test_hlo_reader_reads_one_element_of_a_tuple():
+    """``%t#k`` (how jaxlib 0.11 prints a read of a tuple's element, with no
+    ``get-tuple-element``) reads element ``k`` alone: a copy of the float32 element of a
+    (f32[8], f16[8]) tuple moves 32 + 32 bytes and reads ``a``, not ``b``."""
+    text = """ENTRY %main (a: f32[8], b: f16[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0), metadata={op_name="grads['a']"}
+  %b = f16[8]{0} parameter(1), metadata={op_name="grads['b']"}
+  %t = (f32[8]{0}, /*index=1*/f16[8]{0}) tuple(%a, %b)
+  ROOT %c = f32[8]{0} copy(%t#0)
+}
+"""
+    (copy,) = [i for i in hlo.parse_hlo(text)[0]["main"] if i["op"] == "copy"]
+    assert (copy["operands"], copy["elements"]) == (["t"], [0])
+    assert hlo.bytes_moved(text) == 32 + 32
+    assert (hlo.reads(text, "grads['a']"), hlo.reads(text, "grads['b']")) == (1, 0)
+    assert hlo.tuple_element("(f32[4,2], (pred[], s32[]), /*index=2*/f16[3])", 1) == (
+        "(pred[], s32[])"
+    )
+    with pytest.raises(ValueError, match="the tuple has 3"):
+        hlo.tuple_element("(f32[4,2], (pred[], s32[]), f16[3])", 3)
+
+
+def test_hlo_reader_on_the_language_models_post_step_on_a_gpu():
+    """The Optax path's post step of lm_185m as an H200 ran it (XLA:GPU, jaxlib 0.11.2, the
+    skip a select): the entry computation of the optimized module `gpu_check.sh` kept, its
+    metadata but the op names and its backend configs taken out. 185,623,552 parameters in 75
+    leaves; counts derived by hand:
+
+    - 75 Adam kernels, one per leaf, with the select fused in: each reads the parameter, both
+      moments (float32) and the gradient (float16) and writes the three: 26 B/param, what
+      plain's post step moves;
+    - the overflow check reads each gradient once more: 2 B/param, 28 in all;
+    - the check reduces in two levels: the first writes per-leaf partial flags (2 x pred[4096]
+      for the embedding, 12 x pred[1024], 13 x pred[1024], 2 x 12 x pred[2048]: 82,944 bytes)
+      that the second reads back; the rest is scalars (under 2 KiB).
+
+    The copy of one predicate, ``copy(%tuple.164#78)``, reads one byte: read as the whole
+    output tuple (parameters and both moments, 12 B/param) it made the estimate 40 B/param."""
+    text = gzip.decompress(
+        (XLA_GPU / "lm185m_post_optax_select.entry.hlo.txt.gz").read_bytes()
+    ).decode()
+    n = workloads.param_count("lm_185m")
+    assert n == 185_623_552
+    comps, entry = hlo.parse_hlo(text)
+    ops = comps[entry]
+    kernels = [i["name"].rstrip(".0123456789") for i in ops if i["op"] == "fusion"]
+    assert len(kernels) == 99 and kernels.count("loop_add_select_fusion") == 75
+    assert kernels.count("input_reduce_fusion") == 12
+    (copy,) = [i for i in ops if i["op"] == "copy"]
+    assert copy["line"].strip() == "%copy.471 = pred[] copy(%tuple.164#78)"
+    shapes = {i["name"]: i["shape"] for i in ops}
+    assert hlo._operand_shapes(copy, shapes) == ["pred[]"]
+    whole = hlo._shape_bytes(shapes["tuple.164"])
+    assert 12 * n < whole < 12 * n + 1024  # what the copy read before: the whole tuple
+    stats = hlo.hlo_stats(text, set())
+    assert stats["conditionals"] == 0 and stats["kernels"] == 99
+    partial_flags = 2 * 4096 + 12 * 1024 + 13 * 1024 + 2 * 12 * 2048
+    assert partial_flags == 82_944
+    extra = stats["bytes_moved"] - 28 * n - 2 * partial_flags
+    assert 0 <= extra < 2048, extra
+    assert round(stats["bytes_moved"] / n, 3) == 28.001
+    # The embedding's gradient: read by its check and its Adam kernel, nothing else.
+    assert hlo.reads(text, "grads['emb']") == 2
+
+
 def test_compile_for_a_gpu_without_one(tmp_path):
     """``--compile-for h100``: where JAX's CUDA plugin is installed (the GPU machine's JAX), the
     fused step compiled for the described H100 has no conditional and no copy, and the
@@ -583,8 +680,7 @@ def test_compile_for_a_gpu_without_one(tmp_path):
     argv += ["--variants", "lsj_fused_ieee", "lsj_fused_cond_ieee"]
     with pytest.raises(ValueError, match=r"unknown GPU 'a100'; choose from \['h100'\]"):
         cli.main([*argv[:1], "a100", *argv[2:]])
-    plugins = importlib.util.find_spec("jax_plugins")  # the package the CUDA plugin is in
-    if plugins is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not _cuda_plugin():
         with pytest.raises(RuntimeError, match=re.escape(f'pip install "{deviceless.PLUGIN}"')):
             cli.main(argv)
         assert list(tmp_path.iterdir()) == []
@@ -595,8 +691,21 @@ def test_compile_for_a_gpu_without_one(tmp_path):
         rows["lsj_fused_ieee"]["conditionals"] == rows["lsj_fused_ieee"]["param_sized_copies"] == 0
     )
     assert rows["lsj_fused_cond_ieee"]["conditionals"] == 1
-    assert rows["lsj_fused_cond_ieee"]["param_sized_copies"] > 0
+    # jaxlib 0.10.2 copies every parameter and moment (8 leaves, 3 arrays each) out of the
+    # skip branch and out of the conditional; jaxlib 0.11.2 (the H200 run) copies none.
+    assert rows["lsj_fused_cond_ieee"]["param_sized_copies"] in (0, 2 * 3 * 8)
     assert "| lsj_fused_ieee | 0 | 0 |" in (tmp_path / "compiled_h100.md").read_text()
+
+
+def _cuda_plugin() -> bool:
+    """Whether a CUDA plugin of JAX is installed where JAX looks for plugins (a module
+    ``xla_cuda*`` of the namespace package ``jax_plugins``: jax-cuda12-plugin, or the CUDA
+    13 one a GPU machine's JAX may have); with it, JAX compiles for a described GPU."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    import jax_plugins
+
+    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 @pytest.mark.slow
@@ -618,7 +727,7 @@ def test_language_model_workloads():
     with pytest.raises(ValueError, match="in_out layout only"):
         workloads.check_case("lm_tiny/out_in/fp16grad/full")
     assert set(variants.GPU_VARIANTS.values()) <= set(variants.VARIANTS)
-    assert cli.default_modes() == (
+    assert harness.default_modes() == (
         ["latency"] if jax.default_backend() == "cpu" else ["latency", "throughput"]
     )
 
@@ -653,24 +762,28 @@ def test_benchmark_throughput_mode():
 @pytest.mark.slow
 def test_benchmark_gpu_results_schema(tmp_path, monkeypatch, capsys):
     """`--gpu-results PATH` on CPU with lm_tiny: results_gpu.json has the documented schema
-    and its table is written; a variant whose package is missing is skipped with a line."""
-    monkeypatch.setattr(cli, "missing_package", lambda name: "jmp" if name == "jmp" else None)
+    and its table is written; a variant whose package is missing is skipped with a line; the
+    rows carry each step's device time (traced after the rounds; on CPU the busiest host
+    track), one measurement for both modes; the traces are not kept."""
+    monkeypatch.setattr(variants, "missing_package", lambda name: "jmp" if name == "jmp" else None)
     path = tmp_path / "results_gpu.json"
     argv = ["--gpu-results", str(path), "--rounds", "2", "--iters", "1", "--steps", "2"]
     argv += ["--cases", "lm_tiny/in_out/fp16grad/full", "lm_tiny/in_out/fp16grad/post"]
     argv += ["--variants", "lsj_fused", "lsj_headroom_taps", "jmp", "--modes", *harness.MODES]
+    argv += ["--device-steps", "2", "--label", "a rehearsal on CPU"]
     cli.main(argv)
     assert "skipping variant jmp: the package jmp is not installed" in capsys.readouterr().err
     doc = json.loads(path.read_text())
     assert set(doc) == {"meta", "rows"}
     meta = doc["meta"]
-    assert set(report.GPU_META_KEYS) <= set(meta)
+    assert set(gpu.GPU_META_KEYS) <= set(meta)
     assert meta["rounds"] == 2 and meta["jax"] == jax.__version__
+    assert (meta["label"], meta["device_steps"]) == ("a rehearsal on CPU", 2)
     assert meta["device"].startswith(jax.devices()[0].platform)
     assert any("jmp" in line for line in meta["skipped"]) and meta["refused"] == []
     assert meta["command"].startswith("python benchmarks/bench_step.py --gpu-results")
     rows = doc["rows"]
-    assert all(tuple(r) == report.GPU_ROW_KEYS for r in rows)
+    assert all(tuple(r) == gpu.GPU_ROW_KEYS for r in rows)
     assert sorted(
         (r["case"].split("/")[-1], r["step"], r["mode"], r["variant"]) for r in rows
     ) == sorted(
@@ -685,9 +798,81 @@ def test_benchmark_gpu_results_schema(tmp_path, monkeypatch, capsys):
         if r["variant"] == "plain":
             assert r["ratio"] == 1.0
         assert set(r["variant"]) and r["variant"] in variants.GPU_VARIANTS
+        assert r["device_us"] > 0 and r["device_ratio"] > 0
+        if r["variant"] == "plain":
+            assert r["device_ratio"] == 1.0
+    device = {(r["step"], r["variant"], r["mode"]): r["device_us"] for r in rows}
+    for s in ("full", "post"):
+        for v in ("plain", "lsj_fused", "lsj_headroom_taps"):  # one measurement, both modes
+            assert device[s, v, "latency"] == device[s, v, "throughput"]
+    assert device["full", "plain", "latency"] != device["post", "plain", "latency"]
     table = path.with_suffix(".md").read_text()
     assert "| lsj_headroom_taps |" in table and "x plain, throughput" in table
+    assert "x plain, device" in table and "Measured: a rehearsal on CPU." in table
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results_gpu.json", "results_gpu.md"]
+    # --render: the same table from the JSON.
+    path.with_suffix(".md").unlink()
+    cli.main(["--gpu-results", str(path), "--render"])
+    assert path.with_suffix(".md").read_text() == table
+
+
+def test_device_time_columns_by_hand():
+    """``device_columns``: each post row's device time and its ratio to plain's in the same
+    case, in every mode; rows of a case not traced get None. The table and the docs' block
+    show them."""
+    rows = [
+        {"case": c, "variant": v, "mode": m}
+        for c in ("lm/full", "lm/post")
+        for m in ("latency", "throughput")
+        for v in ("plain", "lsj_optax_ieee", "where_skip")
+    ]
+    summaries = {
+        "lm/post": {
+            "plain": {"us_per_step": 1500.0},
+            "lsj_optax_ieee": {"us_per_step": 1620.0},
+            "where_skip": {"us_per_step": 1560.0},
+        }
+    }
+    gpu.device_columns(rows, summaries)
+    got = {(r["case"], r["variant"], r["mode"]): (r["device_us"], r["device_ratio"]) for r in rows}
+    for m in ("latency", "throughput"):
+        assert got["lm/post", "plain", m] == (1500.0, 1.0)
+        assert got["lm/post", "lsj_optax_ieee", m] == (1620.0, 1620.0 / 1500.0)
+        assert got["lm/post", "where_skip", m] == (1560.0, 1.04)
+        assert got["lm/full", "lsj_optax_ieee", m] == (None, None)
+    for r in rows:
+        r.update(kind=r["case"].split("/")[1], params=10**6, median_ms=1.0, refused=None)
+        r.update(ratio=1.1, ratio_lo=1.0, ratio_hi=1.2)
+    meta = {"device": "gpu: X", "jax": "0", "jaxlib": "0", "optax": "0", "flax": "0"}
+    meta.update(command="c", rounds=3, device_steps=20, label="by hand")
+    doc = gpu.gpu_results(rows, meta)
+    table = gpu.gpu_markdown(doc)
+    assert (
+        "| where_skip | 1.10 (1.00-1.20) | 1.00 | 1.10 (1.00-1.20) | 1.00 | 1.040 | 1560.0 |"
+        in (table)
+    )
+    block = gpu.gpu_summary(doc)
+    row = "| where_skip | " + "1.10 (1.00-1.20) | " * 4 + "1.040 |"
+    assert row in block and "| variant | full, latency | full, throughput |" in block
+    assert block.startswith("Quoted from `benchmarks/results_gpu.md`: by hand; 3 rounds;")
+
+
+def test_the_committed_gpu_results_and_the_docs_quote_them(tmp_path):
+    """benchmarks/results_gpu.json is a GPU's measurement, labelled with what it measured;
+    results_gpu.md and the block of docs/performance.md are what ``--render`` makes of it."""
+    saved = json.loads((ROOT / "benchmarks" / "results_gpu.json").read_text())
+    meta = saved["meta"]
+    assert meta["device"].startswith("gpu: NVIDIA") and meta["label"]
+    assert meta["jax"] in meta["label"] and "gpu_check.sh" in meta["label"]
+    steps = {(r["step"], r["mode"]) for r in saved["rows"]}
+    assert steps == {(s, m) for s in ("full", "post") for m in harness.MODES}
+    assert all(r["ratio"] == 1.0 for r in saved["rows"] if r["variant"] == "plain")
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert report.replace_block(text, "gpu_results", gpu.gpu_summary(saved)) == text
+    shutil.copy(ROOT / "benchmarks" / "results_gpu.json", tmp_path)
+    cli.main(["--gpu-results", str(tmp_path / "results_gpu.json"), "--render"])
+    md = (ROOT / "benchmarks" / "results_gpu.md").read_text()
+    assert (tmp_path / "results_gpu.md").read_text() == md
 
 
 def _synthetic_trace(path, step_us):
@@ -744,8 +929,9 @@ def test_profile_summary_reads_the_device_tracks(tmp_path):
 
 @pytest.mark.slow  # about 3 s: two compiles
 def test_benchmark_profile_writes_kernels_and_traces(tmp_path):
-    """`--profile DIR` on CPU: a summary per variant (host tracks here), what the variant
-    spends beyond plain, and one trace per variant."""
+    """`--profile DIR`: a summary per variant (the device's tracks on an accelerator, the
+    host's on CPU, which has no device tracks), what the variant spends beyond plain, and one
+    trace per variant; a second run into the same DIR adds its case to kernels.json."""
     out = tmp_path / "profile"
     argv = ["--profile", str(out), "--cases", "tiny/in_out/fp16grad/post", "--steps", "2"]
     rows = cli.main([*argv, "--variants", "plain", "lsj_fused_ieee"])
@@ -753,10 +939,17 @@ def test_benchmark_profile_writes_kernels_and_traces(tmp_path):
     assert rows[0]["ratio"] == 1.0 and rows[1]["us_per_step"] > 0
     doc = json.loads((out / "kernels.json").read_text())
     case = doc["cases"]["tiny/in_out/fp16grad/post"]
-    assert case["plain"]["events"] == "host" and "more_than_plain" not in case["plain"]
+    events = "host" if jax.default_backend() == "cpu" else "device"
+    assert case["plain"]["events"] == events and "more_than_plain" not in case["plain"]
     assert all(m["us"] > 0 for m in case["lsj_fused_ieee"]["more_than_plain"])
     traces = sorted(p.parent.parent.parent.parent.name for p in out.rglob("perfetto_trace*"))
     assert traces == [f"tiny_in_out_fp16grad_post.{v}" for v in ("lsj_fused_ieee", "plain")]
+    argv = ["--profile", str(out), "--cases", "tiny/in_out/fp16grad/full", "--steps", "1"]
+    cli.main([*argv, "--variants", "plain", "where_skip"])
+    doc = json.loads((out / "kernels.json").read_text())
+    assert doc["steps"] == {"tiny/in_out/fp16grad/post": 2, "tiny/in_out/fp16grad/full": 1}
+    assert doc["cases"]["tiny/in_out/fp16grad/post"] == case
+    assert list(doc["cases"]["tiny/in_out/fp16grad/full"]) == ["plain", "where_skip"]
 
 
 def test_underflow_counts_the_entries_the_unscaled_backward_pass_loses(tmp_path):

@@ -6,10 +6,9 @@ breakdowns on the default run or with ``--check-report``, and writes ``results.j
 ``results.md`` and, for a default run into ``benchmarks/``, the marked blocks of
 docs/performance.md (``--render`` rewrites those from ``results.json`` without measuring).
 
-``--gpu-results PATH`` is the accelerator's run: in this process (the allocators are a CPU
-matter), the language model's full and post steps (``GPU_CASES``), the variants of
-``GPU_VARIANTS``, latency and throughput; it writes PATH (JSON) and the table next to it
-(PATH with ``.md``) and nothing else. Nothing is written there unless asked.
+``--gpu-results PATH`` is the accelerator's run (``gpu``), ``--profile DIR`` the kernels of
+each step (``profiling``), ``--compile-for GPU`` a GPU's program without one (``deviceless``),
+``--underflow`` what plain's float16 backward pass loses (``underflow``).
 """
 
 from __future__ import annotations
@@ -28,13 +27,14 @@ from typing import Any
 import jax
 import optax
 
-from . import deviceless, underflow
+from . import deviceless, gpu, underflow
 from .breakdowns import check_report, compile_report
 from .harness import (
     ALLOCATORS,
     DEFAULT_ALLOCATORS,
     MODES,
     allocator_env,
+    default_modes,
     log,
     run_children,
     run_here,
@@ -43,14 +43,12 @@ from .profiling import profile
 from .report import (
     DOC_PAGES,
     HEADLINE,
-    gpu_markdown,
-    gpu_results,
     markdown,
     replace_block,
     targets,
     update_docs,
 )
-from .variants import DEFAULT_VARIANTS, GPU_VARIANTS, VARIANTS, missing_package
+from .variants import DEFAULT_VARIANTS, VARIANTS, available
 from .workloads import DEFAULT_CASES, GPU_CASES, QUICK_CASES, check_case
 
 BENCHMARKS = Path(__file__).resolve().parent.parent  # the default --out
@@ -91,12 +89,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "modes, in this process; writes PATH (JSON) and PATH with .md, nothing else",
     )
     ap.add_argument(
+        "--device-steps",
+        type=int,
+        default=None,
+        help="with --gpu-results: each step's device time, from N steps per variant in a "
+        "profiler trace after the timed rounds (default 20; 0: none)",
+    )
+    ap.add_argument(
+        "--label",
+        default=None,
+        help="with --gpu-results: what was measured (machine, version of the package), "
+        "written into the JSON's meta and the table",
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         metavar="DIR",
         help="per-kernel times instead of timings: --cases x --variants (default: the GPU "
         "cases' full step; plain, the library's Optax and fused steps and the peers), --steps "
-        "steps each (default 10) in a jax.profiler trace; writes DIR/kernels.json and the traces",
+        "steps each (default 10) in a jax.profiler trace; writes DIR/kernels.json and the "
+        "traces. With --gpu-results: its traces and their kernels.json kept there",
     )
     ap.add_argument(
         "--compile-for",
@@ -150,22 +162,12 @@ def _load() -> str:
         return "n/a"
 
 
-def default_modes() -> list[str]:
-    """Both modes on an accelerator; latency on CPU, where a step's dispatch is a small part
-    of it and the CPU results (results.json, the targets) have always been latency."""
-    return list(MODES) if jax.default_backend() != "cpu" else ["latency"]
-
-
-def _available(variants: list[str]) -> tuple[list[str], list[str]]:
-    """The variants whose packages are installed, and a line for each one skipped."""
-    kept, skipped = [], []
-    for name in variants:
-        package = missing_package(name)
-        if package:
-            skipped.append(f"{name} (the package {package} is not installed)")
-            log(f"skipping variant {name}: the package {package} is not installed")
-        else:
-            kept.append(name)
+def _available(names: list[str]) -> tuple[list[str], list[str]]:
+    """The variants whose packages are installed, and a line for each one skipped (logged)."""
+    kept, missing = available(names)
+    skipped = [f"{n} (the package {p} is not installed)" for n, p in missing.items()]
+    for n, p in missing.items():
+        log(f"skipping variant {n}: the package {p} is not installed")
     return kept, skipped
 
 
@@ -184,7 +186,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """The one command; returns the rows it measured (or rendered)."""
     args = parse_args(argv)
     if args.gpu_results:
-        return gpu_main(args, argv)
+        return gpu.main(args, " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])]))
+    for flag in ("device_steps", "label"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} goes with --gpu-results.")
     if args.profile:
         return profile_main(args)
     if args.compile_for:
@@ -300,6 +305,7 @@ PROFILED = (
     "jmp",
     "flax",
     "optax_if_finite",
+    "where_skip",
 )
 
 
@@ -353,58 +359,3 @@ def profile_main(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
     log(f"wrote {Path(args.profile) / 'kernels.json'} and a trace per variant")
     return rows
-
-
-def gpu_main(args: argparse.Namespace, argv: list[str] | None) -> list[dict[str, Any]]:
-    """``--gpu-results PATH``: the accelerator's run, in this process; writes PATH and its
-    table (PATH with ``.md``); returns the rows of PATH."""
-    import jaxlib
-
-    t_start = time.perf_counter()
-    cases = args.cases or list(GPU_CASES)
-    for case in cases:
-        check_case(case)
-    names = args.variants or list(GPU_VARIANTS)
-    for name in names:
-        if name not in GPU_VARIANTS:
-            raise ValueError(
-                f"--variants with --gpu-results: unknown variant {name!r}; choose from "
-                f"{list(GPU_VARIANTS)}."
-            )
-    names = ["plain"] + [v for v in names if v != "plain"]
-    variants, skipped = _available([GPU_VARIANTS[n] for n in names])
-    rounds = args.rounds or 5
-    iters = args.iters or 10
-    steps = args.steps or 30
-    modes = args.modes or default_modes()
-    rows = run_here(cases, variants, rounds, iters, False, "default", False, modes, steps)
-    device = jax.devices()[0]
-    try:
-        import flax
-
-        flax_version = flax.__version__
-    except ImportError:
-        flax_version = None
-    meta = {
-        "device": f"{device.platform}: {device.device_kind}",
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "optax": optax.__version__,
-        "flax": flax_version,
-        "command": " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])]),
-        "rounds": rounds,
-        "iters": iters,
-        "steps": steps,
-        "modes": modes,
-        "skipped": skipped,
-        "wall_s": time.perf_counter() - t_start,
-    }
-    doc = gpu_results(rows, meta)
-    path = Path(args.gpu_results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
-    path.with_suffix(".md").write_text(gpu_markdown(doc))
-    for line in doc["meta"]["refused"]:
-        log(f"  REFUSED {line}")
-    log(f"wrote {path} and {path.with_suffix('.md')} ({time.perf_counter() - t_start:.0f} s)")
-    return doc["rows"]

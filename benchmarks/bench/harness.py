@@ -37,6 +37,12 @@ from .workloads import INIT_SCALE, WORKLOADS, build_case
 MODES = ("latency", "throughput")
 
 
+def default_modes() -> list[str]:
+    """Both modes on an accelerator; latency on CPU, where a step's dispatch is a small part
+    of it and the CPU results (results.json, the targets) have always been latency."""
+    return list(MODES) if jax.default_backend() != "cpu" else ["latency"]
+
+
 def log(msg: str) -> None:
     """Progress, to stderr (stdout stays free)."""
     print(msg, file=sys.stderr, flush=True)
@@ -155,6 +161,27 @@ def _throughput(run, args, steps: int, full: bool) -> list[float]:
     return [(time.perf_counter() - t0) / steps] * steps
 
 
+def trace_file(folder: Path) -> Path:
+    """The Perfetto trace ``jax.profiler.trace(folder, create_perfetto_trace=True)`` wrote."""
+    found = sorted(folder.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    if not found:
+        raise FileNotFoundError(f"jax.profiler wrote no perfetto_trace.json.gz under {folder}")
+    return found[-1]
+
+
+def trace_steps(run: dict[str, Any], args: Sequence, steps: int, folder: Path) -> Path:
+    """``steps`` steps of a compiled variant (``compile_variant``'s ``run``), dispatched back
+    to back as in throughput mode, inside a ``jax.profiler`` trace of their own written into
+    ``folder``: the Perfetto trace's path. The carry goes on from where it was."""
+    carry = run["carry"]
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for _ in range(steps):
+            carry = run["compiled"](*carry, *args)[:2]
+        jax.block_until_ready(carry)
+    run["carry"] = carry
+    return trace_file(folder)
+
+
 def run_case(
     case: str,
     variants: list[str],
@@ -164,11 +191,14 @@ def run_case(
     log: Callable[[str], None],
     modes: Sequence[str] = ("latency",),
     steps: int | None = None,
+    trace: tuple[Path, int] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant of ``case`` and mode (``plain`` among the variants: the ratios are
     to it, round by round in the same mode). Each round runs every variant in turn, each in
     every mode: ``iters`` blocked steps (latency), ``steps`` (default ``iters``) back-to-back
-    steps (throughput)."""
+    steps (throughput). ``trace=(folder, n)``: after the rounds, ``n`` steps of each variant in
+    a profiler trace of its own under ``folder`` (``trace_steps``), its path in the row's
+    ``trace`` (None without)."""
     for m in modes:
         if m not in MODES:
             raise ValueError(f"mode {m!r}: choose from {MODES}.")
@@ -191,6 +221,11 @@ def run_case(
                 rec["faults"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 rec["times"] += times
                 rec["round_ms"].append(statistics.median(times) * 1e3)
+    if trace is not None:
+        folder, n = trace
+        for name in variants:
+            where = folder / f"{case.replace('/', '_')}.{name}"
+            runs[name]["trace"] = str(trace_steps(runs[name], built.args, n, where))
 
     rows = []
     for m in modes:
@@ -226,6 +261,7 @@ def _rows(case, built, leaves, variants, runs, mode: str) -> list[dict[str, Any]
                 "temp_bytes": run["temp_bytes"],
                 **{k: run[k] for k in HLO_COLUMNS},
                 "samples": len(rec["times"]),
+                "trace": run.get("trace"),
                 "refused": "; ".join(_refusals(run)) or None,
             }
         )
@@ -242,8 +278,10 @@ def run_here(
     skip_slow_peers=False,
     modes: Sequence[str] = ("latency",),
     steps: int | None = None,
+    trace: tuple[Path, int, Sequence[str]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every case, in this process, its rows marked with ``allocator``."""
+    """Every case, in this process, its rows marked with ``allocator``. ``trace=(folder, n,
+    kinds)``: the cases of those kinds (``full``, ``post``) traced as ``run_case`` says."""
     jax.jit(lambda a: a * 2 + 1).lower(jnp.ones(3)).compile()  # JAX's one-time costs
     rows = []
     for case in cases:
@@ -251,7 +289,10 @@ def run_here(
         names = variants
         if skip_slow_peers and WORKLOADS[case.split("/")[0]].get("depth", 0) >= 100:
             names = [v for v in variants if v not in SLOW_PEERS]
-        for r in run_case(case, names, rounds, iters, measure_compile, log, modes, steps):
+        traced = None
+        if trace is not None and case.split("/")[-1] in trace[2]:
+            traced = (trace[0], trace[1])
+        for r in run_case(case, names, rounds, iters, measure_compile, log, modes, steps, traced):
             r["allocator"] = allocator
             flag = f"REFUSED: {r['refused']}" if r["refused"] else ""
             log(

@@ -10,7 +10,9 @@ It reads XLA:CPU's and XLA:GPU's text alike. Where they differ: a conditional is
 ``lax.cond`` as lowered) or ``true_computation=%t, false_computation=%f`` (a predicate;
 XLA:GPU rewrites a two-branch conditional on ``convert(pred)`` so); XLA:GPU wraps runs of
 kernels into ``call``s (command buffers), which the byte estimate and ``reads`` follow into;
-and element types beyond XLA:CPU's usual ones (``f8e4m3fn``, ``c64``, ...) have their sizes.
+element types beyond XLA:CPU's usual ones (``f8e4m3fn``, ``c64``, ...) have their sizes; and
+XLA (jaxlib 0.11) prints a read of one element of a tuple-shaped value as an operand
+``%name#k`` (no ``get-tuple-element`` of its own), which reads element ``k`` only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import numpy as np
 _COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
 _NAME = re.compile(r"%([\w.\-]+)")
+# An operand: a name, and ``#k`` where it reads element k of a tuple-shaped value.
+_OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _LAYOUT = re.compile(r"\{[^}]*\}")
 # An array type: element type, then dimensions (``f32[64,32]``, ``pred[]``; a bounded
 # dynamic dimension, ``<=8``, counts at its bound).
@@ -55,7 +60,8 @@ def parse_hlo(text: str) -> tuple[Computations, str]:
 
     An instruction is a dict: ``name``; ``shape``, its result's type without layouts
     (``f32[64,32]``, ``(pred[], pred[])``); ``op``; ``operands``, the names it reads;
-    ``rest``, the text after ``op(`` (``index=``, ``branch_computations=``, metadata);
+    ``elements``, beside each operand the tuple element it reads (``%name#k``: ``k``), else
+    None; ``rest``, the text after ``op(`` (``index=``, ``branch_computations=``, metadata);
     ``line``, the whole line without its backslashes (``op_name="grads['w']"``).
     """
     comps: Computations = {}
@@ -70,13 +76,15 @@ def parse_hlo(text: str) -> tuple[Computations, str]:
         m = _INSTR.match(line) if cur else None
         if m:
             name, shape, op, rest = m.groups()
+            operands = _OPERAND.findall(_operand_text(rest))
             comps[cur].append(
                 {
                     "name": name,
                     "shape": _LAYOUT.sub("", shape),
                     "op": op,
                     "rest": rest,
-                    "operands": _NAME.findall(_operand_text(rest)),
+                    "operands": [o for o, _ in operands],
+                    "elements": [int(k) if k else None for _, k in operands],
                     "line": line.replace("\\", ""),
                 }
             )
@@ -136,6 +144,34 @@ def _element_bytes(dtype: str) -> int:
     raise ValueError(f"HLO element type {dtype!r}: its size is not known to bench/hlo.py")
 
 
+def tuple_element(shape: str, k: int) -> str:
+    """Element ``k`` of a tuple shape as ``parse_hlo`` keeps it (``(f32[4], (pred[],
+    s32[]))``, element 1: ``(pred[], s32[])``)."""
+    text = _COMMENT.sub("", shape).strip()
+    if not text.startswith("("):
+        raise ValueError(f"element {k} of {shape[:80]!r}: not a tuple shape")
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(ch, 0)
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts = [p for p in parts if p]
+    if not 0 <= k < len(parts):
+        raise ValueError(f"element {k} of {shape[:80]!r}: the tuple has {len(parts)}")
+    return parts[k]
+
+
+def _operand_shapes(ins: dict[str, Any], shapes: dict[str, str]) -> list[str]:
+    """The shapes ``ins`` reads: each operand's, or the one element of it ``%name#k`` reads
+    (an operand defined elsewhere, e.g. in an excerpt, reads nothing)."""
+    out = []
+    for name, k in zip(ins["operands"], ins["elements"], strict=True):
+        shape = shapes.get(name, "")
+        out.append(tuple_element(shape, k) if k is not None and shape else shape)
+    return out
+
+
 def _shape_bytes(shape: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
@@ -162,7 +198,7 @@ def bytes_moved(text: str) -> int:
                 total += walk(_called(ins))
             elif ins["op"] not in _FREE:
                 total += _shape_bytes(ins["shape"])
-                total += sum(_shape_bytes(shapes.get(o, "")) for o in ins["operands"])
+                total += sum(_shape_bytes(s) for s in _operand_shapes(ins, shapes))
         return total
 
     return walk(entry)
@@ -232,42 +268,52 @@ def _parameter(comps: Computations, comp: str, number: int) -> str:
     )
 
 
-def _reads(comps: Computations, comp: str, name: str) -> int:
-    """Instructions that read ``name`` in ``comp``, following it as ``reads`` says."""
+def _reads(comps: Computations, comp: str, name: str, element: int | None = None) -> int:
+    """Instructions that read ``name`` in ``comp`` (element ``element`` of it, where it is a
+    tuple: read as ``%name#k`` or through a ``get-tuple-element``), following it as ``reads``
+    says."""
     total = 0
     for ins in comps[comp]:
-        if name not in ins["operands"]:
+        at = [
+            p
+            for p, (o, k) in enumerate(zip(ins["operands"], ins["elements"], strict=True))
+            if o == name and k == element
+        ]
+        if element is not None and ins["op"] == "get-tuple-element" and ins["operands"] == [name]:
+            if re.search(rf"\bindex={element}\b", ins["rest"]):
+                total += _reads(comps, comp, ins["name"])
+            continue
+        if not at:
             continue
         if ins["op"] in ("get-tuple-element", "bitcast"):
             total += _reads(comps, comp, ins["name"])
         elif _called(ins):
-            for p, o in enumerate(ins["operands"]):
-                if o == name:
-                    callee = _called(ins)
-                    total += _reads(comps, callee, _parameter(comps, callee, p))
+            callee = _called(ins)
+            for p in at:
+                total += _reads(comps, callee, _parameter(comps, callee, p))
         elif ins["op"] == "tuple":
-            k = ins["operands"].index(name)
-            for cond in comps[comp]:
-                if cond["op"] != "conditional" or ins["name"] not in cond["operands"]:
-                    continue
-                fed = [
-                    b
-                    for b, o in zip(branches(cond), cond["operands"][1:], strict=True)
-                    if o == ins["name"]
-                ]
-                total += max((_element_reads(comps, b, k) for b in fed), default=0)
+            for k in at:  # its element k: read as ``%tuple#k``, or in a conditional's branch
+                total += _reads(comps, comp, ins["name"], k)
+                total += _branch_reads(comps, comp, ins["name"], k)
         else:
             total += 1
+    return total
+
+
+def _branch_reads(comps: Computations, comp: str, tup: str, k: int) -> int:
+    """Reads of element ``k`` of the tuple ``tup`` inside the branches of the conditionals
+    it feeds (where it feeds more than one branch, the branch that reads it most: a step
+    runs one)."""
+    total = 0
+    for cond in comps[comp]:
+        if cond["op"] != "conditional" or tup not in cond["operands"]:
+            continue
+        fed = [b for b, o in zip(branches(cond), cond["operands"][1:], strict=True) if o == tup]
+        total += max((_element_reads(comps, b, k) for b in fed), default=0)
     return total
 
 
 def _element_reads(comps: Computations, branch: str, k: int) -> int:
     """Reads of element ``k`` of a branch's tuple argument."""
     arg = next(i["name"] for i in comps[branch] if i["op"] == "parameter")
-    return sum(
-        _reads(comps, branch, g["name"])
-        for g in comps[branch]
-        if g["op"] == "get-tuple-element"
-        and arg in g["operands"]
-        and re.search(rf"\bindex={k}\b", g["rest"])
-    )
+    return _reads(comps, branch, arg, k)

@@ -8,6 +8,10 @@ the device's tracks (on a machine without one, the host's): how many, and how ma
 microseconds in all. ``DIR/kernels.json`` holds, per case and variant, each track's total per
 step, the largest names' count and time per step, and the names plain lacks or spends less
 on, with the difference: the first place to read when a whole step costs more.
+
+``--gpu-results`` traces the post step the same way after timing it (``summarize_case`` on the
+traces ``harness.run_case`` leaves): each variant's device time per step, beside the timed
+ratios.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import jax
 
-from .harness import compile_variant
+from .harness import compile_variant, trace_steps
 from .workloads import build_case
 
 TOP = 40  # names kept per variant (the largest); the raw traces keep everything
@@ -83,27 +87,10 @@ def more_than(plain: dict[str, float], mine: dict[str, float]) -> list[dict[str,
     return [{"track | name": n, "us": more[n]} for n in ranked[:TOP]]
 
 
-def _trace_file(folder: Path) -> Path:
-    found = sorted(folder.glob("plugins/profile/*/perfetto_trace.json.gz"))
-    if not found:
-        raise FileNotFoundError(f"jax.profiler wrote no perfetto_trace.json.gz under {folder}")
-    return found[-1]
-
-
-def profile_case(
-    case: Any, name: str, variants: list[str], steps: int, out: Path
-) -> dict[str, Any]:
-    """Per variant of the built ``case`` (named ``name``): its kernels over ``steps`` steps."""
-    result: dict[str, Any] = {}
-    for variant in variants:
-        run = compile_variant(variant, case, False, lambda m: None)
-        folder = out / f"{name.replace('/', '_')}.{variant}"
-        carry = run["carry"]
-        with jax.profiler.trace(str(folder), create_perfetto_trace=True):
-            for _ in range(steps):
-                carry = run["compiled"](*carry, *case.args)[:2]
-            jax.block_until_ready(carry)
-        result[variant] = summarize(_trace_file(folder), steps)
+def summarize_case(traces: dict[str, Path], steps: int) -> dict[str, Any]:
+    """Per variant, the summary of its trace (``traces[variant]``, ``steps`` steps), and
+    beside plain's: what it spends beyond plain (``more_than_plain``)."""
+    result = {variant: summarize(path, steps) for variant, path in traces.items()}
     plain = result.get("plain", {}).get("_all_us", {})
     for variant, summary in result.items():
         mine = summary.pop("_all_us")
@@ -112,14 +99,37 @@ def profile_case(
     return result
 
 
-def profile(cases: list[str], variants: list[str], steps: int, out: Path) -> dict[str, Any]:
-    """``profile_case`` for every case; writes and returns ``out/kernels.json``'s content."""
+def profile_case(
+    case: Any, name: str, variants: list[str], steps: int, out: Path
+) -> dict[str, Any]:
+    """Per variant of the built ``case`` (named ``name``): its kernels over ``steps`` steps."""
+    traces = {}
+    for variant in variants:
+        run = compile_variant(variant, case, False, lambda m: None)
+        folder = out / f"{name.replace('/', '_')}.{variant}"
+        traces[variant] = trace_steps(run, case.args, steps, folder)
+    return summarize_case(traces, steps)
+
+
+def write(cases: dict[str, Any], steps: dict[str, int], out: Path) -> dict[str, Any]:
+    """``out/kernels.json`` with ``cases`` (case -> variant -> summary) traced over ``steps``
+    (case -> steps) added: what an earlier run into ``out`` wrote stays, but for the case and
+    variant this one traced again. Returns the file's content."""
+    path = out / "kernels.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"steps": {}, "cases": {}}
+    doc.update(device=str(jax.devices()[0]), jax=jax.__version__)
+    doc["steps"] = {**doc["steps"], **steps}
+    for case, variants in cases.items():
+        doc["cases"][case] = {**doc["cases"].get(case, {}), **variants}
     out.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "steps": steps,
-        "cases": {c: profile_case(build_case(c), c, variants, steps, out) for c in cases},
-    }
-    (out / "kernels.json").write_text(json.dumps(doc, indent=1) + "\n")
+    path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
+
+
+def profile(cases: list[str], variants: list[str], steps: int, out: Path) -> dict[str, Any]:
+    """``profile_case`` for every case, into ``out/kernels.json`` (``write``); returns what
+    this run traced, in the file's form."""
+    out.mkdir(parents=True, exist_ok=True)
+    traced = {c: profile_case(build_case(c), c, variants, steps, out) for c in cases}
+    write(traced, {c: steps for c in cases}, out)
+    return {"steps": {c: steps for c in cases}, "cases": traced}

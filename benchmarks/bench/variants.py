@@ -12,7 +12,8 @@ Each variant is ``variant(loss, pattern) -> (full, post, init, scale_of)``:
 ``lsj_fused_*`` is ``lsj.apply_gradients``; ``jmp``, ``flax`` and ``optax_if_finite`` are the
 peers as their documentation has them. Not in the default run: the ``lsj_*_headroom_ieee``
 steps, ``lsj_headroom_taps``, ``lsj_*_select_ieee`` and ``lsj_*_cond_ieee`` (the skip's
-formulation forced), ``plain_scaled`` (plain with a constant loss scale) and the prototypes
+formulation forced), ``plain_scaled`` (plain with a constant loss scale), ``where_skip`` (a
+bare ``jnp.where`` skip: the floor of a select formulation) and the prototypes
 (``prototypes.PROTOTYPES``).
 
 ``GPU_VARIANTS`` names the variants of the GPU results (``--gpu-results``); ``missing_package``
@@ -69,6 +70,33 @@ def variant_plain_scaled(loss, pattern):
     def post(params, state, grads):
         grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype) * inverse, grads, params)
         updates, state = adam.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def scale_in(state):
+        return jnp.float32(INIT_SCALE)
+
+    return _full_step(loss, pattern, post, scale_in), post, adam.init, lambda s: None
+
+
+def variant_where_skip(loss, pattern):
+    """The least a select skip costs: a bare ``jnp.where`` skip on a static scale, no policy,
+    counters or record. The gradients unscaled as they are cast, ``all(isfinite)`` per leaf
+    and over the leaves, Adam, then each update ``where(finite, u, -0.0)`` and each moment
+    ``where(finite, new, old)``. It is the floor a select formulation of the skip sits on
+    (docs/performance.md, "On a GPU"); the scale never moves, so nothing is adjusted."""
+    adam = optax.adam(LR)
+    inverse = 1.0 / INIT_SCALE
+
+    def post(params, state, grads):
+        finite = jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)])
+        )
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype) * inverse, grads, params)
+        updates, new_state = adam.update(grads, state, params)
+        updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, -0.0), updates)
+        state = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(finite, new, old), new_state, state
+        )
         return optax.apply_updates(params, updates), state
 
     def scale_in(state):
@@ -308,19 +336,26 @@ VARIANTS |= {
         variant_lsj, fused=True, mode="ieee", formulation="cond"
     ),
     "plain_scaled": variant_plain_scaled,
+    "where_skip": variant_where_skip,
 }
 
 # The GPU results' variant names (``--gpu-results``, results_gpu.json) and the variants they
-# run: DynamicScale with the ieee check for the library's two paths.
+# run: DynamicScale with the ieee check for the library's two paths; the conditional forced
+# (``*_cond``) where asked for (``--variants``), the others by default (``GPU_DEFAULT``).
 GPU_VARIANTS = {
     "plain": "plain",
+    "plain_scaled": "plain_scaled",
     "lsj_optax": "lsj_optax_ieee",
     "lsj_fused": "lsj_fused_ieee",
     "lsj_headroom_taps": "lsj_headroom_taps",
     "jmp": "jmp",
     "flax": "flax",
     "optax_if_finite": "optax_if_finite",
+    "where_skip": "where_skip",
+    "lsj_optax_cond": "lsj_optax_cond_ieee",
+    "lsj_fused_cond": "lsj_fused_cond_ieee",
 }
+GPU_DEFAULT = tuple(n for n in GPU_VARIANTS if not n.endswith("_cond"))
 # The package a variant imports beyond lossscale_jax's own dependencies.
 PACKAGES = {"jmp": "jmp", "flax": "flax"}
 
@@ -335,3 +370,10 @@ def missing_package(name: str) -> str | None:
 
 PEERS = ("jmp", "flax", "optax_if_finite")
 SLOW_PEERS = ("jmp", "flax")  # their 300-leaf compiles take minutes (--skip-slow-peers)
+
+
+def available(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The variants of ``names`` whose packages are installed, and the others with the
+    package each lacks (``missing_package``)."""
+    missing = {n: p for n in names if (p := missing_package(n)) is not None}
+    return [n for n in names if n not in missing], missing
