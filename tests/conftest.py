@@ -49,6 +49,19 @@ def pytest_runtest_setup(item):
             )
 
 
+@pytest.fixture
+def platform_formulation():
+    """Steps traced in the test take the default backend's own skip formulation (XLA:CPU's
+    conditional, XLA:GPU's select), whatever LOSSSCALE_JAX_SKIP forces: for tests of the
+    program that backend runs (its temporaries, its kernels). The override is part of JAX's
+    trace-cache key, so nothing traced under another formulation is reused."""
+    from lossscale_jax import _skip
+
+    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    with _skip.formulation(_skip.BY_PLATFORM.get(platform, "cond")):
+        yield
+
+
 def pytest_unconfigure(config):
     if _CACHE_OWNER:
         shutil.rmtree(_CACHE, ignore_errors=True)

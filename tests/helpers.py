@@ -63,6 +63,54 @@ def assert_trees_equal(a: Any, b: Any, what: str = "") -> None:
         np.testing.assert_array_equal(x, y, err_msg=where)
 
 
+def skip_formulation() -> str:
+    """The skip's formulation a step traced now takes on JAX's default backend: the override
+    (``LOSSSCALE_JAX_SKIP``, or a test's ``_skip.formulation``), else the backend's own."""
+    from lossscale_jax import _skip
+
+    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())  # or rocm
+    return _skip.current() or _skip.BY_PLATFORM.get(platform, "cond")
+
+
+def programs_round_alike() -> bool:
+    """Whether two compiled programs of one optimizer step (the fused step and the Optax path;
+    a step and optax's own update) round its update alike, bit for bit: on XLA:CPU with the
+    conditional, where the update is computed in the branch as written.
+
+    A select (a GPU's formulation, or ``LOSSSCALE_JAX_SKIP=select``) fuses the update into the
+    optimizer's kernels, and XLA may contract a multiply and the add after it into one fused
+    multiply-add in one program and not the other: one rounding fewer, which is at most one
+    unit in the last place of the larger of the terms (:func:`assert_step_within_ulps`; seen
+    one float32 ulp apart, on XLA:GPU and on XLA:CPU under the select).
+    """
+    return jax.default_backend() == "cpu" and skip_formulation() == "cond"
+
+
+def assert_step_within_ulps(got: Any, want: Any, before: Any, ulps: int, what: str = "") -> None:
+    """One step's results ``got`` against ``want``, both from the same state ``before``: float
+    leaves within ``ulps`` units in the last place of the larger of the value before and
+    after (the size of the step's terms, where a contraction into a fused multiply-add
+    rounds), every other leaf equal; nan where the other has nan."""
+    la, ta = jax.tree_util.tree_flatten_with_path(got)
+    lb, tb = jax.tree_util.tree_flatten(want)
+    lc, tc = jax.tree_util.tree_flatten(before)
+    assert ta == tb == tc, f"{what}: tree structures differ"
+    for (path, x), y, b in zip(la, lb, lc, strict=True):
+        x, y, b = np.asarray(x), np.asarray(y), np.asarray(b)
+        where = f"{what}: leaf {jax.tree_util.keystr(path)}"
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), (where, x.dtype, y.dtype)
+        if not np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_array_equal(x, y, err_msg=where)
+            continue
+        np.testing.assert_array_equal(np.isnan(x), np.isnan(y), err_msg=where)
+        with np.errstate(invalid="ignore", over="ignore"):
+            size = np.maximum(np.abs(y), np.abs(b.astype(y.dtype)))
+            bound = ulps * np.spacing(size).astype(np.float64)
+            err = np.abs(x.astype(np.float64) - y.astype(np.float64))
+        ok = np.isnan(y) | (x == y) | (err <= bound)
+        assert np.all(ok), f"{where}: more than {ulps} ulp(s) apart: {x!r} vs {y!r}"
+
+
 F16_UNIT_ROUNDOFF = 2.0**-11
 """float16 keeps 11 significant bits: one rounding errs by at most 2**-11 of the value."""
 

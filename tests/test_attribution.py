@@ -239,6 +239,7 @@ def _accumulation_step(every_k):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("platform_formulation")  # the program the backend runs (conftest)
 def test_record_adds_no_pass_over_the_gradients():
     """With and without the record, the compiled steps read each gradient leaf as often and
     make the same reductions; the record costs a few bytes per leaf of temporaries."""

@@ -11,7 +11,9 @@ import optax
 import pytest
 from helpers import (  # tests/ is on sys.path under pytest
     assert_no_host_round_trip,
+    assert_step_within_ulps,
     assert_trees_equal,
+    programs_round_alike,
 )
 
 import lossscale_jax as lsj
@@ -447,5 +449,10 @@ def test_integer_gradient_leaf_with_adam_as_optax_does(fused):
     ref_updates, ref_state = ref_tx.update(
         {"w": jnp.ones(3), "step": jnp.int32(0)}, ref_tx.init(params), params
     )
-    assert_trees_equal(new_params, optax.apply_updates(params, ref_updates))
-    assert_trees_equal(good.inner_state, ref_state)
+    want = (optax.apply_updates(params, ref_updates), ref_state)
+    if programs_round_alike():
+        assert_trees_equal((new_params, good.inner_state), want)
+    else:  # the select's program may contract the update's multiply and add (helpers)
+        assert_step_within_ulps(
+            (new_params, good.inner_state), want, (params, ref_tx.init(params)), 1
+        )
