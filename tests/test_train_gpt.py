@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import load_script  # tests/ is on sys.path under pytest
+from helpers import F16_UNIT_ROUNDOFF, load_script  # tests/ is on sys.path under pytest
 from reference_scalers import ReferenceDynamic  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
@@ -215,16 +215,18 @@ def probe_gradients(ex, result):
     return g16, g32, setting
 
 
+ROUNDINGS_ON_A_PATH = 128  # float16 roundings allowed on one gradient entry's path
+
+
 def borderline_entries(ex, result) -> tuple[int, int]:
-    """``(entries one float16 rounding from zero, nonzero entries)`` of the first probe: 0 or
-    one subnormal unit in float16, below two units in float32."""
-    g16, g32, _ = probe_gradients(ex, result)
-    unit = 2.0**-24
-    flips = sum(
-        int(np.sum((np.abs(a.astype(np.float32)) <= unit) & (b != 0) & (np.abs(b) < 2 * unit)))
-        for a, b in zip(g16, g32, strict=True)
+    """``(entries near float16's zero/subnormal boundary, nonzero entries)`` of the first
+    probe's float32 gradient: within ``ROUNDINGS_ON_A_PATH * 2**-11`` of 2**-25."""
+    _, g32, _ = probe_gradients(ex, result)
+    edge, rel = 2.0**-25, ROUNDINGS_ON_A_PATH * F16_UNIT_ROUNDOFF
+    band = sum(
+        int(np.sum((np.abs(b) > edge * (1 - rel)) & (np.abs(b) < edge * (1 + rel)))) for b in g32
     )
-    return flips, sum(int(np.sum(b != 0)) for b in g32)
+    return band, sum(int(np.sum(b != 0)) for b in g32)
 
 
 @pytest.mark.slow
@@ -290,14 +292,17 @@ def test_quick_prints_and_saves_the_diagnosis(job):
     h = result["job"]["results"]["fp16"]["history"][i]
     probe = h["lost"][0] / h["nonzero"][0]
     unscaled = d.underflow[list(d.scales).index(1.0)]
-    # The two are float16 programs of the same gradient compiled apart: an entry can be lost
-    # in one and not the other only where a rounding placed elsewhere (XLA:GPU keeps some
-    # float16 intermediates in float32 inside its fusions; XLA:CPU does less of it) moves it
-    # across zero: entries the probe's float16 holds at 0 or one subnormal unit (2**-24)
-    # whose float32 value is below two units. Those, and the key biases' noise, bound it.
-    flips, nonzero = borderline_entries(ex, result)
+    # The two are float16 programs of the same gradient compiled apart (XLA:GPU keeps some
+    # float16 intermediates in float32 inside its fusions, XLA:CPU fewer): an entry is lost in
+    # one and kept in the other only where the roundings placed differently move it across
+    # 2**-25, the boundary between 0 and float16's smallest subnormal. Held to the bound of
+    # helpers.assert_within_roundings with ROUNDINGS_ON_A_PATH roundings and the entry's own
+    # size, that is an entry whose float32 value lies within 128 * 2**-11 = 2**-4 of the
+    # boundary. Those, and the key biases' noise, bound the difference (about 0.0096 of the
+    # entries; seen: 0.001 on XLA:CPU, 0.0055 on an H200).
+    band, nonzero = borderline_entries(ex, result)
     assert unscaled > 0.05
-    assert abs(unscaled - probe) <= (flips + KEY_BIAS_NOISE) / nonzero
+    assert abs(unscaled - probe) <= (band + KEY_BIAS_NOISE) / nonzero
     # The scales the job trains with overflow nothing; the dynamic policy's starts inside the
     # recommended range. The static 2**10 loses no entry to zero beyond the floor, but keeps
     # some deep in float16's subnormals, which the range's lower end counts (the job shows
