@@ -1,7 +1,16 @@
 # Everything runs from a virtual environment this Makefile creates on demand,
 # so both commands work on a machine with no jax installed.
-PYTHON ?= python3
-VENV ?= .venv
+# The interpreter: PYTHON where it is given (make test PYTHON=python3.11), else the newest of
+# PYTHONS that the machine has (JAX 0.11 and newer need Python 3.12 or later). A name is looked
+# up on PATH, then among pyenv's installed versions (no `pyenv shell` needed). Each interpreter
+# gets a virtual environment of its own, so that several coexist: .venv for the default,
+# .venv-python3.11 for PYTHON=python3.11.
+PYTHONS := python3.13 python3.12 python3.11
+PYTHON ?=
+VENV ?= $(if $(PYTHON),.venv-$(notdir $(PYTHON)),.venv)
+# A pip constraints file for the install (make test-floor's), and the extras installed.
+CONSTRAINTS ?=
+EXTRAS ?= test,examples,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 # Test processes (pytest-xdist): one process keeps about 1.4 of 2 cores busy on average (the
@@ -11,12 +20,22 @@ STAMP := $(VENV)/.installed-stamp
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: demo test test-fast test-gpu lint typecheck clean docs docs-outputs doctest dist
+.PHONY: demo test test-fast test-floor test-gpu lint typecheck clean docs docs-outputs doctest dist
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@for name in $(or $(PYTHON),$(PYTHONS)); do \
+		exe=$$($$name -c 'import sys; print(sys.executable)' 2>/dev/null || ls -d \
+			"$${PYENV_ROOT:-$$HOME/.pyenv}"/versions/*/bin/$$name 2>/dev/null | sort -V | tail -n 1); \
+		[ -n "$$exe" ] && break; \
+	done; \
+	[ -n "$$exe" ] || { echo "make: no $(or $(PYTHON),$(PYTHONS)) on PATH or among pyenv's" \
+		"versions: install one, or name another: make $(MAKECMDGOALS) PYTHON=python3.X" >&2; \
+		exit 1; }; \
+	echo "$$exe -m venv $(VENV)" && $$exe -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,examples,dev]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	@$(BIN)/python -c "import sys, importlib.metadata as m; print(f'Python {sys.version.split()[0]}', \
+		*(f'{p} {m.version(p)}' for p in ('jax', 'jaxlib', 'optax', 'flax', 'chex')), sep=', ')"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -31,6 +50,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
 
+# The oldest versions pyproject.toml admits (CI runs it beside make test, which gets the newest):
+# the tests not marked slow on the oldest Python, with each dependency at its lowest version
+# (.ci/floor-constraints.txt), in a venv of its own. Test tools and the docs build are not
+# pinned: they are not what a user installs with the package.
+FLOOR_PYTHON ?= python3.11
+test-floor:
+	$(MAKE) test-fast PYTHON=$(FLOOR_PYTHON) VENV=.venv-floor \
+		CONSTRAINTS=.ci/floor-constraints.txt EXTRAS=test,examples
+
 # The whole suite on JAX's default accelerator, in the environment's own Python (no .venv:
 # the machine's JAX has CUDA; pip install -e . --no-deps, jmp==0.0.4 and the test extras
 # first). The CPU platform stays beside the GPU; tests that need 8 devices skip with the
@@ -38,7 +66,7 @@ test-fast: $(STAMP)
 # installed pytest-benchmark warns under xdist, and warnings are errors here. Never in CI.
 GPU_TEST_WORKERS ?= 8
 test-gpu:
-	JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -q \
+	JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(or $(PYTHON),python3) -m pytest -q \
 		-p no:benchmark -n $(GPU_TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 lint: $(STAMP)
@@ -83,4 +111,4 @@ dist: $(STAMP)
 	$(BIN)/python -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis docs/_build dist
+	rm -rf .venv .venv-* .pytest_cache .hypothesis docs/_build dist

@@ -22,6 +22,7 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
+from lossscale_jax._jaxprs import ClosedJaxpr
 from lossscale_jax._tap_stats import TapStats
 from lossscale_jax._tapping import Recorder, recorder, tap_of_equation, validate_modules
 from lossscale_jax._upcast import INLINE_CALLS
@@ -68,7 +69,7 @@ def _walk(jaxpr: jcore.Jaxpr, ins: list[Deps], sink_tap: dict[Any, int]) -> list
             outs = [{k: (t if t is MIXED or j is None else t | {j}) for k, t in x.items()}]
         elif name in INLINE_CALLS and INLINE_CALLS[name] in eqn.params:
             body = eqn.params[INLINE_CALLS[name]]
-            inner = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
+            inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
             # the sinks of taps inside a call are the call's operands: map them through
             inner_sinks = {
                 iv: sink_tap[ov]

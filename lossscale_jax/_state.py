@@ -21,8 +21,7 @@ I32_MAX = int(np.iinfo(np.int32).max)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
-
-    from typing_extensions import Self
+    from typing import Self
 
     class _ChexDataclass(Mapping[str, jax.Array]):
         """What ``chex.dataclass`` adds to a class at run time, spelled out for type checkers.

@@ -25,6 +25,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale_jax._jaxprs import ClosedJaxpr
 from lossscale_jax._tapping import active, substituted, tap_of_equation
 
 # Primitives whose body is inlined, and the parameter holding it (the layer-map walk of
@@ -72,7 +73,7 @@ def _read(env: dict, v: Any, low: np.dtype) -> Any:
     return env[v]
 
 
-def _widen_closed(closed: jcore.ClosedJaxpr, low: np.dtype) -> jcore.ClosedJaxpr:
+def _widen_closed(closed: Any, low: np.dtype) -> Any:
     """``closed`` rewritten: its ``low`` inputs, outputs and computations in float32."""
     avals = [
         jax.ShapeDtypeStruct(
@@ -86,9 +87,9 @@ def _widen_closed(closed: jcore.ClosedJaxpr, low: np.dtype) -> jcore.ClosedJaxpr
 def _params(name: str, params: dict, low: np.dtype) -> dict:
     out = {}
     for k, v in params.items():
-        if isinstance(v, jcore.ClosedJaxpr):
+        if isinstance(v, ClosedJaxpr):
             v = _widen_closed(v, low)
-        elif isinstance(v, tuple) and v and all(isinstance(b, jcore.ClosedJaxpr) for b in v):
+        elif isinstance(v, tuple) and v and all(isinstance(b, ClosedJaxpr) for b in v):
             v = tuple(_widen_closed(b, low) for b in v)
         elif isinstance(v, jcore.Jaxpr):
             raise UnsupportedPrimitive(name)
@@ -107,7 +108,7 @@ def _apply(eqn: Any, invals: list, low: np.dtype) -> list:
         return [tap(*invals[consts:])]
     if name in INLINE_CALLS and INLINE_CALLS[name] in params:
         body = params[INLINE_CALLS[name]]
-        if isinstance(body, jcore.ClosedJaxpr):
+        if isinstance(body, ClosedJaxpr):
             return _eval(body.jaxpr, body.consts, invals, low)
         return _eval(body, [], invals, low)
     if name == "reduce_precision" and _is_low(eqn.invars[0].aval.dtype, low):
@@ -119,7 +120,7 @@ def _apply(eqn: Any, invals: list, low: np.dtype) -> list:
     if any(isinstance(v, jcore.Jaxpr) for v in params.values()) and name not in _REBIND:
         raise UnsupportedPrimitive(name)
     if name not in _REBIND and any(
-        isinstance(v, jcore.ClosedJaxpr | tuple) and _holds_jaxpr(v) for v in params.values()
+        isinstance(v, ClosedJaxpr | tuple) and _holds_jaxpr(v) for v in params.values()
     ):
         raise UnsupportedPrimitive(name)
     out = prim.bind(*invals, **_params(name, params, low))
@@ -127,9 +128,9 @@ def _apply(eqn: Any, invals: list, low: np.dtype) -> list:
 
 
 def _holds_jaxpr(v: Any) -> bool:
-    if isinstance(v, jcore.ClosedJaxpr):
+    if isinstance(v, ClosedJaxpr):
         return True
-    return isinstance(v, tuple) and any(isinstance(b, jcore.ClosedJaxpr) for b in v)
+    return isinstance(v, tuple) and any(isinstance(b, ClosedJaxpr) for b in v)
 
 
 def _eval(jaxpr: jcore.Jaxpr, consts: list, args: list, low: np.dtype) -> list:

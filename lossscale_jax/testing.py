@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lossscale_jax._jaxprs import ClosedJaxpr
+
 __all__ = ["saturate", "saturating"]
 
 # Primitives whose sub-jaxprs are evaluated with saturation, and the params holding them.
@@ -131,7 +133,7 @@ def _check_aval(aval: Any) -> Any:
     return aval
 
 
-def _saturate_closed(closed: jex.ClosedJaxpr, dtype: np.dtype) -> jex.ClosedJaxpr:
+def _saturate_closed(closed: Any, dtype: np.dtype) -> Any:
     """A ClosedJaxpr computing ``closed`` with saturation, with the same input/output types."""
     # The avals themselves, not ShapeDtypeStructs: weak types and shard_map's varying manual
     # axes must survive, or a rewritten scan/while body changes its carry type.
@@ -142,7 +144,7 @@ def _saturate_closed(closed: jex.ClosedJaxpr, dtype: np.dtype) -> jex.ClosedJaxp
 def _saturate_open(jaxpr: jex.Jaxpr, dtype: np.dtype, name: str) -> jex.Jaxpr:
     if jaxpr.constvars:
         raise NotImplementedError(f"saturating: unexpected constvars in the jaxpr of {name}.")
-    new = _saturate_closed(jex.ClosedJaxpr(jaxpr, []), dtype)
+    new = _saturate_closed(ClosedJaxpr(jaxpr, []), dtype)
     if new.consts:
         raise NotImplementedError(
             f"saturating: the rewritten jaxpr of {name} needs constants; cannot rebind it."
@@ -151,7 +153,7 @@ def _saturate_open(jaxpr: jex.Jaxpr, dtype: np.dtype, name: str) -> jex.Jaxpr:
 
 
 def _saturate_param(value: Any, dtype: np.dtype, name: str) -> Any:
-    if isinstance(value, jex.ClosedJaxpr):
+    if isinstance(value, ClosedJaxpr):
         return _saturate_closed(value, dtype)
     if isinstance(value, jex.Jaxpr):
         return _saturate_open(value, dtype, name)
