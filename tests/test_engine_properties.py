@@ -35,9 +35,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import skip_formulation  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_engine import Reference  # tests/ is on sys.path under pytest
+from reference_engine import Reference
 
 import lossscale_jax as lsj
 from lossscale_jax import _division, _skip, compat
@@ -390,9 +391,16 @@ def _to_device(grads: dict) -> dict:
 
 
 @functools.cache
-def front_end_selecting(name: str, policy_name: str) -> FrontEnd:
-    """A front-end of its own (its own jitted step), traced with the select formulation."""
+def front_end_other(name: str, policy_name: str) -> FrontEnd:
+    """A front-end of its own (its own jitted step), traced with the other formulation."""
     return FRONT_ENDS[name](POLICIES[policy_name])
+
+
+def other_formulation() -> str:
+    """The skip's formulation the cells above do not take: the select where this run takes
+    the conditional (XLA:CPU's own), the conditional where it takes the select (a GPU, or
+    LOSSSCALE_JAX_SKIP=select, as CI runs the suite)."""
+    return "cond" if skip_formulation() == "select" else "select"
 
 
 @pytest.mark.parametrize("policy_name", sorted(POLICIES))
@@ -401,16 +409,17 @@ def test_front_end_matches_the_reference(name, policy_name):
     check_front_end(front_end(name, policy_name), name, policy_name)
 
 
-# The skip's other formulation (a select per leaf instead of one lax.cond; XLA:GPU takes it,
-# XLA:CPU the conditional: lossscale_jax/_skip.py), forced on CPU: every front-end but the
-# Optax path's twin (accumulation_1) against the same reference, step for step, as the GPU
-# suite runs them all under it. Three policies of different kinds (counters, a measured
-# range, none moving): the formulation selects the same operands whatever the policy wrote.
+# The skip's other formulation (a select per leaf or one lax.cond; XLA:GPU takes the first,
+# XLA:CPU the second: lossscale_jax/_skip.py), forced: every front-end but the Optax path's
+# twin (accumulation_1) against the same reference, step for step, so that every run holds
+# both formulations to it (CI runs the whole suite under the select). Three policies of
+# different kinds (counters, a measured range, none moving): the formulation selects the same
+# operands whatever the policy wrote.
 @pytest.mark.parametrize("policy_name", ["dynamic", "headroom", "static_4"])
 @pytest.mark.parametrize("name", [n for n in sorted(FRONT_ENDS) if n != "accumulation_1"])
-def test_select_formulation_matches_the_reference(name, policy_name):
-    with _skip.formulation("select"):
-        check_front_end(front_end_selecting(name, policy_name), name, policy_name)
+def test_the_other_formulation_matches_the_reference(name, policy_name):
+    with _skip.formulation(other_formulation()):
+        check_front_end(front_end_other(name, policy_name), name, policy_name)
 
 
 # The division's rounding, perturbed as an approximate division (XLA:GPU's) perturbs it: the
@@ -451,9 +460,7 @@ def param_ulps(front: FrontEnd) -> int:
     differences do not add up over windows). Everything else, the loss-scale state, the
     counters and the gradient handed to the inner transformation included, stays bit for bit.
     """
-    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())  # or rocm: alike
-    formulation = _skip.current() or _skip.BY_PLATFORM.get(platform, "cond")
-    return 2 if front.every_k > 1 and formulation == "select" else 0
+    return 2 if front.every_k > 1 and skip_formulation() == "select" else 0
 
 
 def check_front_end(front: FrontEnd, name: str, policy_name: str) -> None:
