@@ -884,10 +884,18 @@ def test_the_committed_gpu_results_and_the_docs_quote_them(tmp_path):
     saved = json.loads((ROOT / "benchmarks" / "results_gpu.json").read_text())
     meta = saved["meta"]
     assert meta["device"].startswith("gpu: NVIDIA") and meta["label"]
-    assert meta["jax"] in meta["label"] and "gpu_check.sh" in meta["label"]
+    # The script that measured it and the package's commit (the JAX version is meta["jax"]).
+    assert "gpu_check.sh" in meta["label"] and re.search(r" at [0-9a-f]{7,40}\b", meta["label"])
+    assert meta["jax"] and meta["device_steps"] > 0
     steps = {(r["step"], r["mode"]) for r in saved["rows"]}
     assert steps == {(s, m) for s in ("full", "post") for m in harness.MODES}
     assert all(r["ratio"] == 1.0 for r in saved["rows"] if r["variant"] == "plain")
+    # Every row carries its step's device time (one trace per variant and step, the same in
+    # both modes' rows), plain's ratio 1.
+    assert all(r["device_us"] > 0 for r in saved["rows"])
+    for r in saved["rows"]:
+        plain = next(p for p in saved["rows"] if p["variant"] == "plain" and p["step"] == r["step"])
+        assert r["device_ratio"] == pytest.approx(r["device_us"] / plain["device_us"], abs=1e-3)
     text = (ROOT / "docs" / "performance.md").read_text()
     assert report.replace_block(text, "gpu_results", gpu.gpu_summary(saved)) == text
     shutil.copy(ROOT / "benchmarks" / "results_gpu.json", tmp_path)
