@@ -19,8 +19,10 @@ of them. A fused multiply-add a compiler may form from these gives the same exac
 :func:`ratio_of_counts` divides two step counts of any size (``metrics``' overflow rate) with
 integer operations alone: a long division, exact on every backend by construction.
 
-:func:`skewed` is the test hook that moves the backend's quotient by a few ulps before the
-correction sees it, so a CPU run checks the correction XLA:GPU's approximate division needs.
+:func:`skewed` is the test hook that moves the quotient by a few ulps before the correction
+sees it, so a CPU run checks the correction XLA:GPU's approximate division needs. It moves the
+correctly rounded quotient, not the backend's: on a GPU, whose quotient may already be off by
+up to two ulps, the hook's skew would otherwise come on top of that error.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ _SKEW_KEY = jax.make_user_context(0)
 
 @contextlib.contextmanager
 def skewed(ulps: int) -> Iterator[None]:
-    """Test hook: inside, :func:`divide_by_count` moves the backend's quotient ``ulps`` units
-    in the last place (``-MAX_SKEW`` to ``MAX_SKEW``) before correcting it, as an approximate
-    division (XLA:GPU's) may; the result must not change. Read while a step is traced."""
+    """Test hook: inside, :func:`divide_by_count` hands its correction the rounded quotient
+    moved ``ulps`` units in the last place (``-MAX_SKEW`` to ``MAX_SKEW``), as an approximate
+    division (XLA:GPU's) may give it; the result must not change. Read while a step is
+    traced."""
     if not isinstance(ulps, int) or isinstance(ulps, bool) or abs(ulps) > MAX_SKEW:
         raise ValueError(f"ulps must be an int from {-MAX_SKEW} to {MAX_SKEW}, got {ulps!r}.")
     token = _SKEW.set(ulps)
@@ -115,7 +118,9 @@ def divide_by_count(a: jax.Array, n: jax.Array) -> jax.Array:
     q = a / n
     skew = _SKEW.get()
     if skew:
-        q = _moved(q, skew)
+        # From the rounded quotient, so the hook's skew is the whole error on every backend
+        # (on a GPU it would otherwise add to the division's own, past what is corrected).
+        q = _moved(correct_quotient(a, n, q), skew)
     return correct_quotient(a, n, q)
 
 

@@ -103,9 +103,13 @@ def test_jmp_adam_program_bit_identical_with_the_import_changed(kind):
     scales = [float(s[2]) for s in ours]
     injected = [2, 6, 11, 17]  # the inf and nan written into the batch (3e4 stays finite)
     if kind == "dynamic":
-        # Step 0 at 2**15 overflows XLA:CPU's float16 backward pass, not XLA:GPU's (which keeps
-        # float32 inside its fusions): either way the two programs agreed bit for bit above.
-        assert skipped in (injected, [0, *injected])
+        # Beside the injected steps, the starting 2**15 may overflow the float16 backward pass
+        # once before the first backoff, at a step the backend's rounding decides (XLA:CPU:
+        # step 0; an H200: step 1, its fusions keeping float32 inside): either way the two
+        # programs agreed bit for bit above, and the scale fits from 2**14 on.
+        extra = [i for i in skipped if i not in injected]
+        assert set(injected) <= set(skipped) and len(extra) <= 1
+        assert all(scales[j] == 2.0**15 for i in extra for j in range(i))  # none backed off
         # jmp's rule, by hand: halve on an overflow (floor 1), double after 3 good steps in a
         # row. On XLA:CPU: 4, 4, 2, 2, 2, 4, 2, ... times 2**12.
         scale, good_run, want = 2.0**15, 0, []

@@ -40,6 +40,18 @@ def _conditionals(step, args) -> int:
     return str(jax.make_jaxpr(step)(*args)).count(" cond[")
 
 
+def _compiled_conditionals(step, args) -> int:
+    """Conditionals in the program compiled for the default device, after XLA's passes (where
+    ``platform_dependent``'s choice of platform is folded away)."""
+    return jax.jit(step).lower(*args).compile().as_text().count(" conditional(")
+
+
+def _default_platforms_own() -> int:
+    """The conditionals the default device's own formulation leaves: GPUs (``jax``'s
+    ``"gpu"`` platform, CUDA's and ROCm's) take the select, the CPU and TPUs the cond."""
+    return 0 if jax.default_backend() in ("gpu", "cuda", "rocm") else 1
+
+
 # ------------------------------------------------------------------ the switch
 
 
@@ -56,8 +68,21 @@ def test_the_environment_variable_picks_the_formulation(monkeypatch):
         else:
             monkeypatch.setenv(_skip.ENV, unset)
         assert _skip.current() is None
-        # each platform's own: this process's platforms say which (the CPU suite: the cond)
-        assert _conditionals(*_fused_step()) == (1 if _skip.here() == {"cond"} else 0)
+        # each platform's own: the program compiled for the default device has its platform's
+        # (the CPU suite: the cond; a GPU process's steps, traced for both of its platforms,
+        # keep the select on the GPU)
+        assert _compiled_conditionals(*_fused_step()) == _default_platforms_own()
+
+
+def test_a_process_with_a_gpu_and_the_cpu_traces_both_and_lowers_its_own(monkeypatch):
+    # What a GPU process traces (its platforms: the GPU and the CPU), on any machine: the
+    # step holds both formulations, platform_dependent between them, and the program compiled
+    # for the default device keeps that device's own.
+    monkeypatch.delenv(_skip.ENV, raising=False)
+    monkeypatch.setattr(_skip, "here", lambda: {"cond", "select"})
+    step, args = _fused_step()
+    assert "platform_index" in str(jax.make_jaxpr(step)(*args))
+    assert _compiled_conditionals(step, args) == _default_platforms_own()
 
 
 @pytest.mark.parametrize("value", ["where", "Select", "cond,select", " cond"])
