@@ -72,10 +72,14 @@ test-floor:
 # installed pytest-benchmark warns under xdist, and warnings are errors here. Never in CI.
 # GPU_TEST_WORKERS: 12 of a 16-core machine's cores compile (a worker is one process on the GPU;
 # the suite is mostly compilation); the 25 slowest tests are listed for the next tuning.
+# --dist loadgroup: a module on one worker, as loadscope, but for tests/conftest.py's SPREAD
+# modules (the property test, the docs' code blocks: the two longest of a CPU run, 190 s and
+# 108 s), whose tests go to any worker. On an H200 with loadscope, ~30 tests were still to
+# run at 291 s.
 GPU_TEST_WORKERS ?= 12
 test-gpu:
 	JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(or $(PYTHON),python3) -m pytest -q \
-		-p no:benchmark -n $(GPU_TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+		-p no:benchmark -n $(GPU_TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
 		--durations=25
 
 lint: $(STAMP)

@@ -17,8 +17,8 @@
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]
 # Eight files land in OUTDIR (tests.log: the machine, each part's output). SECONDS (default
-# 450) bounds the whole run: each part gets what the earlier ones left, less the time kept
-# for the RL job (RL_SECONDS, default 150), which comes last and gets the rest; a part cut
+# 480) bounds the whole run: each part gets what the earlier ones left, less the time kept
+# for the RL job (RL_SECONDS, default 180), which comes last and gets the rest; a part cut
 # short still leaves what it wrote. Parts 1 and 2 share a compilation cache. The test suite
 # is not part of it: `make test-gpu` runs it, in a call of its own. GPU_CHECK_QUICK=1
 # rehearses the whole on CPU (lm_tiny, two rounds, the RL job's GPU code at its small size;
@@ -26,8 +26,8 @@
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]}
 quick=${GPU_CHECK_QUICK:-0}
-budget=${2:-$( ((quick)) && echo 900 || echo 450)}
-rl_seconds=${RL_SECONDS:-$( ((quick)) && echo 300 || echo 150)}
+budget=${2:-$( ((quick)) && echo 900 || echo 480)}
+rl_seconds=${RL_SECONDS:-$( ((quick)) && echo 300 || echo 180)}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 work=$(mktemp -d)

@@ -571,8 +571,16 @@ def run(
     size: Size = SIZES["cpu"],
 ) -> dict[str, Any]:
     """Pretrains the policy (``size.pretrain_steps`` where None), then fine-tunes it
-    with every configuration and seed."""
+    with every configuration and seed. Without the progress bar, a line per stage (the
+    compilation, the pretraining, each configuration and seed) says what is done and
+    when, so a run cut at a time limit still shows how far it got."""
     from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+
+    def done(what: str) -> None:
+        if not progress:
+            print(f"[{time.perf_counter() - start:6.1f} s] {what}", flush=True)
 
     if pretrain_steps is None:
         pretrain_steps = size.pretrain_steps
@@ -612,6 +620,7 @@ def run(
         if d != F32
     ]
     compile_in_parallel(lowered, max(2, (os.cpu_count() or 2) // 4))
+    done(f"compiled {len(lowered)} programs")
 
     if pretrain_steps:
         params0, pre_losses = pretrain(
@@ -620,6 +629,8 @@ def run(
     else:  # --pretrain-steps 0: the initial weights (the loss of a uniform guess)
         params0 = init_params(size, jax.random.split(jax.random.key(0))[0], vocab)
         pre_losses = np.full(1, math.log(vocab))
+    jax.block_until_ready(params0)
+    done(f"pretrained {pretrain_steps} steps")
     bar = tqdm(
         total=len(CONFIGS) * seeds * steps,
         unit="step",
@@ -663,6 +674,7 @@ def run(
             results[config.name].append(
                 {k: np.asarray(jax.device_get(v)) for k, v in h.items()}
             )
+            done(f"{config.name}, seed {seed}: {steps} steps")
     bar.close()
     return dict(
         size=size,

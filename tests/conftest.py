@@ -77,38 +77,64 @@ settings.register_profile(
 )
 settings.load_profile("ci")
 
-# The longest modules first (test time on 2 cores, 2 workers, at the time of writing): with
+# The longest modules first (test time under LOSSSCALE_JAX_SKIP=select, Python 3.13, 2 workers
+# on 2 cores, at the time of writing; an example's includes its module fixture's run): with
 # ``--dist loadscope --no-loadscope-reorder`` (the Makefile's) xdist hands modules to the
 # workers in this order, so the long ones start early and the short ones fill the tail
-# (xdist's own reordering, by number of tests, sent the few-test example jobs last). A module
-# missing here only runs later; the order changes no test's outcome.
+# (xdist's own reordering, by number of tests, sent the few-test example jobs last). The
+# SPREAD modules below come after the four longest others: under ``--dist loadgroup`` each of
+# their tests is a unit of its own, and that many units ahead of the examples would start
+# those late. A module missing here only runs later; the order changes no test's outcome.
 LONGEST_FIRST = (
-    "test_train_rl.py",  # 55 s: the RL job's quick run (module fixture)
-    "test_train_gpt.py",  # 54 s: the GPT job (module fixture)
-    "test_train_digits.py",  # 55 s: the digits job (module fixture)
-    "test_performance.py",  # 60 s
-    "test_engine_properties.py",  # 45 s
-    "test_docs.py",  # 38 s
-    "test_layerwise.py",  # 30 s
-    "test_compat_flax_dropin.py",  # 22 s
-    "test_taps.py",  # 20 s
-    "test_reliability_soak.py",  # 24 s
-    "test_data_parallel.py",  # 26 s
-    "test_composition.py",  # 21 s
-    "test_flax.py",  # 21 s
-    "test_diagnosis.py",  # 19 s
-    "test_docs_site.py",  # 14 s
-    "test_seams.py",  # 15 s
-    "test_compat.py",  # 14 s
-    "test_headroom.py",  # 13 s
-    "test_attribution.py",  # 12 s
-    "test_upstream_torch.py",  # 12 s
-    "test_reliability_properties.py",  # 12 s
-    "test_saturation.py",  # 12 s
-    "test_example_data_parallel.py",  # 10 s
+    "test_performance.py",  # 166 s
+    "test_train_gpt.py",  # 96 s
+    "test_train_rl.py",  # 92 s
+    "test_train_digits.py",  # 66 s
+    "test_engine_properties.py",  # 190 s
+    "test_docs.py",  # 108 s
+    "test_composition.py",  # 56 s
+    "test_data_parallel.py",  # 45 s
+    "test_train_layerwise.py",  # 41 s
+    "test_diagnosis.py",  # 41 s
+    "test_reliability_soak.py",  # 39 s
+    "test_compat.py",  # 36 s
+    "test_headroom.py",  # 33 s
+    "test_compat_flax_dropin.py",  # 32 s
+    "test_layerwise.py",  # 32 s
+    "test_taps.py",  # 31 s
+    "test_docs_site.py",  # 29 s
+    "test_compat_mpx_dropin.py",  # 26 s
+    "test_flax.py",  # 25 s
+    "test_attribution.py",  # 23 s
+    "test_core_policies.py",  # 20 s
+    "test_saturation.py",  # 20 s
+    "test_train_equinox.py",  # 19 s
+    "test_equinox.py",  # 17 s
+    "test_upstream_torch.py",  # 16 s
+    "test_reliability_accumulation.py",  # 15 s
+    "test_reliability_properties.py",  # 14 s
+    "test_core_numerics.py",  # 14 s
+    "test_core_transform.py",  # 13 s
+    "test_reliability_checkpoint.py",  # 13 s
+    "test_doctests.py",  # 12 s
+    "test_compat_checkpoints.py",  # 12 s
+    "test_upstream_apex.py",  # 12 s
+    "test_seams.py",  # 12 s
+    "test_compat_torch_world.py",  # 11 s
+    "test_skip.py",  # 11 s
 )
+
+
+# Modules whose tests share nothing costly (no module fixture; each cell compiles its own
+# step), which alone outlast the rest of a run on many workers: `make test-gpu` (``--dist
+# loadgroup``) spreads their tests over the workers, and keeps every other module on one
+# worker, as ``--dist loadscope`` does (the group marks below; loadscope ignores them).
+SPREAD = ("test_docs.py", "test_engine_properties.py")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+    for item in items:
+        if item.path.name not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -9,7 +9,10 @@ plain-Python model of the DynamicScale rule (``reference_scalers.ReferenceDynami
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +50,26 @@ def job(tmp_path_factory):
     # The traces the job adds (the module is imported once per process: other tests call
     # its jitted functions too, at other sizes).
     before = {name: getattr(ex, name)._cache_size() for name in JITTED}
-    result = ex.main(["--quick", "--out", str(out), "--no-progress"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = ex.main(["--quick", "--out", str(out), "--no-progress"])
+    sys.stdout.write(printed.getvalue())
     traced = {name: getattr(ex, name)._cache_size() - before[name] for name in JITTED}
-    return ex, out, dict(result, traced=traced)
+    return ex, out, dict(result, traced=traced, printed=printed.getvalue())
+
+
+def test_quick_says_each_stage_when_done_without_the_bar(job):
+    # --no-progress: a line per stage, in order, with the seconds since the run began, so a
+    # run cut at a time limit (gpu_check.sh's) shows how far it got.
+    ex, _, result = job
+    lines = [line for line in result["printed"].splitlines() if line.startswith("[")]
+    want = ["compiled", "pretrained 0 steps"]  # --quick: no pretraining
+    want += [f"{c.name}, seed {s}: 8 steps" for c in ex.CONFIGS for s in range(2)]
+    assert len(lines) == len(want)
+    for line, what in zip(lines, want, strict=True):
+        assert line.split("] ", 1)[1].startswith(what), (line, what)
+    seconds = [float(line[1:].split(" s]")[0]) for line in lines]
+    assert seconds == sorted(seconds) and seconds[0] > 0
 
 
 def _rows(result, config):
