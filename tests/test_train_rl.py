@@ -58,6 +58,7 @@ def job(tmp_path_factory):
     return ex, out, dict(result, traced=traced, printed=printed.getvalue())
 
 
+@pytest.mark.slow
 def test_quick_says_each_stage_when_done_without_the_bar(job):
     # --no-progress: a line per stage, in order, with the seconds since the run began, so a
     # run cut at a time limit (gpu_check.sh's) shows how far it got.
