@@ -1,5 +1,7 @@
 # Everything runs from a virtual environment this Makefile creates on demand,
-# so both commands work on a machine with no jax installed.
+# so both commands work on a machine with no jax installed. The packages come from PyPI
+# through uv (installed into the venv by pip; it resolves as pip does, the same versions, and
+# installs a fresh environment in ~15 s where pip took ~90 s); the venv keeps pip.
 # The interpreter: PYTHON where it is given (make test PYTHON=python3.11), else the newest of
 # PYTHONS that the machine has (JAX 0.11 and newer need Python 3.12 or later). A name is looked
 # up on PATH, then among pyenv's installed versions (no `pyenv shell` needed). Each interpreter
@@ -32,8 +34,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 		"versions: install one, or name another: make $(MAKECMDGOALS) PYTHON=python3.X" >&2; \
 		exit 1; }; \
 	echo "$$exe -m venv $(VENV)" && $$exe -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/python -m pip install -q uv
+	$(BIN)/uv pip install -q --python $(BIN)/python -e ".[$(EXTRAS)]" \
+		$(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@$(BIN)/python -c "import sys, importlib.metadata as m; print(f'Python {sys.version.split()[0]}', \
 		*(f'{p} {m.version(p)}' for p in ('jax', 'jaxlib', 'optax', 'flax', 'chex')), sep=', ')"
 	touch $(STAMP)
