@@ -128,16 +128,21 @@ def applied_by_hand(every_k: int) -> int:
     return sum(all(g is GOOD for g in w) for w in windows if len(w) == every_k)
 
 
+def stepper(tx, fused: bool):
+    """One training step of ``tx``: the fused step, or the Optax path's update and apply."""
+
+    def step(g, s, p):
+        if fused:
+            return lsj.apply_gradients(tx, g, s, p)
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return step
+
+
 def run(tx, fused: bool, formulation: str):
     with _skip.formulation(formulation):
-
-        @jax.jit
-        def step(g, s, p):
-            if fused:
-                return lsj.apply_gradients(tx, g, s, p)
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
+        step = jax.jit(stepper(tx, fused))
         params, state = PARAMS, tx.init(PARAMS)
         for g in SEQUENCE:
             params, state = step(g, state, params)
@@ -175,15 +180,7 @@ def test_an_inner_checkify_check_sees_only_applied_steps(front, formulation):
     build, fused, every_k = FRONT_ENDS[front]
     tx = build(finite_checked(optax.sgd(0.1)))
     with _skip.formulation(formulation):
-
-        @jax.jit
-        @checkify.checkify
-        def step(g, s, p):
-            if fused:
-                return lsj.apply_gradients(tx, g, s, p)
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
+        step = jax.jit(checkify.checkify(stepper(tx, fused)))
         params, state = PARAMS, tx.init(PARAMS)
         for g in SEQUENCE:
             err, (params, state) = step(g, state, params)
