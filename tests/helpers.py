@@ -13,7 +13,9 @@ import importlib
 import importlib.util
 import pathlib
 import re
+import subprocess
 import sys
+import textwrap
 from types import ModuleType
 from typing import Any
 
@@ -253,3 +255,17 @@ def import_benchmark(module: str) -> ModuleType:
     if path not in sys.path:
         sys.path.append(path)
     return importlib.import_module(f"bench.{module}")
+
+
+def run_python(code: str) -> str:
+    """``code`` (dedented) run by a fresh interpreter on the CPU, with no PATH: what it prints,
+    stripped; the test fails with its stderr if it exits with an error."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()

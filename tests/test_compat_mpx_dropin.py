@@ -18,9 +18,6 @@ one-pass overflow check in ``all_finite`` instead, Adam's state came out one ulp
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
-import textwrap
 
 import equinox as eqx
 import jax
@@ -29,7 +26,7 @@ import mpx as real_mpx
 import numpy as np
 import optax
 import pytest
-from helpers import assert_bits_equal, run_policy  # noqa: I001  (tests/ is on sys.path under pytest)
+from helpers import assert_bits_equal, run_policy, run_python  # noqa: I001  (tests/ is on sys.path under pytest)
 
 import lossscale_jax as lsj
 from lossscale_jax.compat import mpx as our_mpx
@@ -483,15 +480,7 @@ def test_lossscale_jax_compat_imports_without_equinox():
         except ModuleNotFoundError as e:
             print(e)
     """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
+    assert run_python(code).splitlines() == [
         "['apex', 'colossalai', 'cstorch']",
         "lossscale_jax.compat.mpx needs Equinox (pip install equinox); the rest of "
         "lossscale_jax does not.",

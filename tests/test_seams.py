@@ -10,17 +10,13 @@ two common mistakes, metrics read between the micro-batches of a window, and wha
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import serialization
-from helpers import replicate  # tests/ is on sys.path under pytest
+from helpers import replicate, run_python  # tests/ is on sys.path under pytest
 from jax.experimental import checkify
 
 import lossscale_jax as lsj
@@ -278,21 +274,9 @@ def test_metrics_between_micro_batches_describe_the_last_completed_window():
 # ------------------------------------------------------------------ 7. what import loads
 
 
-def _run(code: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
-
-
 @pytest.mark.slow
 def test_import_loads_no_flax_orbax_or_matplotlib_until_used():
-    out = _run(
+    out = run_python(
         """
         import sys
         import lossscale_jax as lsj
@@ -308,7 +292,7 @@ def test_import_loads_no_flax_orbax_or_matplotlib_until_used():
 @pytest.mark.slow
 @pytest.mark.parametrize("flax_first", [False, True])
 def test_flax_serialization_round_trips_whichever_is_imported_first(flax_first):
-    out = _run(
+    out = run_python(
         f"""
         if {flax_first}:
             import flax.serialization
