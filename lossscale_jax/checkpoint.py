@@ -22,9 +22,9 @@ import numpy as np
 
 from lossscale_jax import _checkpoint_policy_state as _policy_state
 from lossscale_jax._flax_serialization import FIELDS, POLICY_STATE
-from lossscale_jax._state import LossScaleState, is_loss_scale_state
+from lossscale_jax.engine._policy import LossScalePolicy, check_policy
+from lossscale_jax.engine._state import LossScaleState, is_loss_scale_state
 from lossscale_jax.errors import CheckpointError, CheckpointPolicyError, CheckpointVersionError
-from lossscale_jax.policies._base import LossScalePolicy, check_policy
 
 __all__ = ["check_checkpoint", "restore_flax", "restore_orbax"]
 

@@ -21,7 +21,6 @@ import numpy as np
 
 from lossscale_jax import _diagnosis_report as _report
 from lossscale_jax import _localizer, _upcast, numerics
-from lossscale_jax._check import is_float
 from lossscale_jax._diagnosis_report import (
     _N_BINS,
     LOG2_MIN,
@@ -32,6 +31,7 @@ from lossscale_jax._diagnosis_report import (
 )
 from lossscale_jax._localizer import TapDiagnosis
 from lossscale_jax._tapping import validate_modules
+from lossscale_jax.engine._check import is_float
 from lossscale_jax.taps import Modules, discover
 
 # The verdicts and the histogram's range, importable from here as before the split.

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax import _check, stuck
-from lossscale_jax._engine import (
+from lossscale_jax._segments import segments_of
+from lossscale_jax.engine import _check, _stuck
+from lossscale_jax.engine._engine import (
     Check,
     Engine,
     EngineUpdate,
@@ -42,14 +43,13 @@ from lossscale_jax._engine import (
     inner_or_skip,
     skip_updates,
 )
-from lossscale_jax._hyper import check_int
-from lossscale_jax._nesting import prepare_inner, refuse_nested_state
-from lossscale_jax._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
-from lossscale_jax._segments import segments_of
-from lossscale_jax._state import LossScaleState, initial_state, record_step
-from lossscale_jax._tap_stats import TapStats
-from lossscale_jax._unscale import inverse, unscale_leaf
-from lossscale_jax._window import acc_zeros, add_good, cleared, mean_of
+from lossscale_jax.engine._hyper import check_int
+from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
+from lossscale_jax.engine._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
+from lossscale_jax.engine._state import LossScaleState, initial_state, record_step
+from lossscale_jax.engine._tap_stats import TapStats
+from lossscale_jax.engine._unscale import inverse, unscale_leaf
+from lossscale_jax.engine._window import acc_zeros, add_good, cleared, mean_of
 from lossscale_jax.errors import TapError
 from lossscale_jax.policies import HeadroomScale
 from lossscale_jax.taps import Modules
@@ -300,7 +300,7 @@ def layerwise_scaling(
             growth_count=new.growth_count[n],
             hysteresis_count=jnp.zeros([], jnp.int32),
         )
-        stuck.check_stuck(loss_scale, engine.on_stuck, when)  # outside the skip (Engine.decide)
+        _stuck.check_stuck(loss_scale, engine.on_stuck, when)  # outside the skip (Engine.decide)
         return loss_scale, new, jnp.logical_not(overflow)
 
     def unscale(grads: Any, scales: jax.Array, params: Any) -> Any:

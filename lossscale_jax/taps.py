@@ -33,7 +33,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lossscale_jax._tap_stats import TapStats
 from lossscale_jax._tapping import (
     Recorder,
     active,
@@ -42,6 +41,7 @@ from lossscale_jax._tapping import (
     tap_tree,
     validate_modules,
 )
+from lossscale_jax.engine._tap_stats import TapStats
 from lossscale_jax.errors import TapError
 
 # TapStats is documented where lossscale_jax exports it (lsj.TapStats); it stays importable here.

@@ -19,8 +19,9 @@ from lossscale_jax._access import (
     set_loss_scale_state,
     switch_policy,
 )
-from lossscale_jax._devices import AxisName, reduce_overflow
-from lossscale_jax._engine import (
+from lossscale_jax._metrics import metrics, overflowed_leaves
+from lossscale_jax.engine._devices import AxisName, reduce_overflow
+from lossscale_jax.engine._engine import (
     ATTRIBUTIONS,
     Engine,
     EngineUpdate,
@@ -28,9 +29,8 @@ from lossscale_jax._engine import (
     inner_or_skip,
     validate_attribution,
 )
-from lossscale_jax._metrics import metrics, overflowed_leaves
-from lossscale_jax._nesting import prepare_inner, refuse_nested_state
-from lossscale_jax._opt_states import LossScalingState
+from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
+from lossscale_jax.engine._opt_states import LossScalingState
 from lossscale_jax.policies import LossScalePolicy
 
 __all__ = [

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax import _check, _engine, _skip, numerics
+from lossscale_jax import numerics
+from lossscale_jax.engine import _check, _engine, _skip
 
 #: ``(leaves, mode, threshold) -> [one scalar bool per leaf]``: an overflow check that
 #: measures no range.

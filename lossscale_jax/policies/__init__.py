@@ -12,8 +12,8 @@ static, validated hyperparameters and three pure functions: ``init() -> LossScal
 - ``_headroom``: ``HeadroomScale`` (the scale set from the gradients' own range).
 """
 
-from lossscale_jax._state import RECENT_STEPS, LossScaleState, initial_state
-from lossscale_jax.policies._base import LossScalePolicy
+from lossscale_jax.engine._policy import LossScalePolicy
+from lossscale_jax.engine._state import RECENT_STEPS, LossScaleState, initial_state
 from lossscale_jax.policies._dynamic import DynamicScale
 from lossscale_jax.policies._fixed import NoScale, StaticScale
 from lossscale_jax.policies._headroom import HeadroomScale
