@@ -10,6 +10,11 @@ static, validated hyperparameters and three pure functions: ``init() -> LossScal
 - ``_dynamic``: ``DynamicScale`` (growth, backoff, hysteresis, bounds);
 - ``_tolerant``: ``TolerantDynamicScale`` (backs off past a tolerated overflow rate);
 - ``_headroom``: ``HeadroomScale`` (the scale set from the gradients' own range).
+
+The protocol itself (``LossScalePolicy``) and the state are the engine's (``engine/_policy``,
+``engine/_state``): the engine calls a policy without importing this folder.
+
+May import: ``lossscale_jax.engine`` and ``lossscale_jax.errors``, nothing above them.
 """
 
 from lossscale_jax.engine._policy import LossScalePolicy
