@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale_jax import _diagnosis_report as _report
-from lossscale_jax import _localizer, _upcast, numerics
+from lossscale_jax import _localizer, numerics
 from lossscale_jax._diagnosis_report import (
     _N_BINS,
     LOG2_MIN,
@@ -30,9 +30,9 @@ from lossscale_jax._diagnosis_report import (
     summarize,
 )
 from lossscale_jax._localizer import TapDiagnosis
-from lossscale_jax._tapping import validate_modules
 from lossscale_jax.engine._check import is_float
-from lossscale_jax.taps import Modules, discover
+from lossscale_jax.taps import Modules, _upcast, discover
+from lossscale_jax.taps._tapping import validate_modules
 
 # The verdicts and the histogram's range, importable from here as before the split.
 LOG2_MAX = _report.LOG2_MAX
