@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import optax
 
 from lossscale_jax import numerics
-from lossscale_jax._access import (
+from lossscale_jax.access._access import (
     get_loss_scale_state,
     scale_loss,
     set_loss_scale_state,
     switch_policy,
 )
-from lossscale_jax._metrics import metrics, overflowed_leaves
+from lossscale_jax.access._metrics import metrics, overflowed_leaves
 from lossscale_jax.engine._devices import AxisName, reduce_overflow
 from lossscale_jax.engine._engine import (
     ATTRIBUTIONS,
