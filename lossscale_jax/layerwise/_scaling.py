@@ -1,26 +1,6 @@
-"""Per-layer loss scaling: one scale per layer, where one global scale cannot serve the network.
+"""Per-layer scaling's optimizer: the layer map, ``discover``, ``layerwise_scaling``.
 
-A single loss scale has to fit every layer's gradients into float16's window at once. When the
-layers' gradient magnitudes span more than that window, every global scale underflows the
-smallest or overflows the largest. Here each layer tap multiplies the backward signal by a
-power-of-two factor of its own, so each layer's gradients arrive scaled by the layer's own
-cumulative scale; the unscale divides each leaf by its own. One overflow check and one skip
-decision for the whole model (every device agrees), as with ``loss_scaling``.
-
-::
-
-  layers = lsj.layerwise.discover(loss_fn, params, batch)      # the layer taps, per leaf
-  tx = lsj.layerwise.layerwise_scaling(optax.adam(1e-3), layers)
-  opt_state = tx.init(params)
-  # in the step:
-  loss, grads, taps = lsj.layerwise.value_and_grad(scaled_loss, layers, opt_state)(params)
-  params, opt_state = lsj.apply_gradients(tx, grads, opt_state, params, taps=taps)
-
-The network is cut into segments at the layer taps (taps in forward order ``0..n-1``, then the
-loss's segment ``n``): segment ``j`` is what the backward pass computes between tap ``j`` and the
-tap before it, all of it at cumulative scale ``C_j``; the loss's segment runs at the loss scale
-``C_n``. Tap ``j`` multiplies the signal by ``f_j = C_j / C_{j+1}``. Each segment adapts ``C_j``
-by ``HeadroomScale``'s rule from its own range, and the overflow skip is the safety net.
+Re-exported by ``lossscale_jax.layerwise`` (its docstring tells the whole story).
 """
 
 from __future__ import annotations
@@ -33,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax._segments import segments_of
 from lossscale_jax.engine import _check, _stuck
 from lossscale_jax.engine._engine import (
     Check,
@@ -51,21 +30,11 @@ from lossscale_jax.engine._tap_stats import TapStats
 from lossscale_jax.engine._unscale import inverse, unscale_leaf
 from lossscale_jax.engine._window import acc_zeros, add_good, cleared, mean_of
 from lossscale_jax.errors import TapError
+from lossscale_jax.layerwise._segments import segments_of
 from lossscale_jax.policies import HeadroomScale
 from lossscale_jax.taps import Modules
 from lossscale_jax.taps import discover as discover_taps
 from lossscale_jax.taps import value_and_grad as tapped_vg
-
-__all__ = [
-    "LayerMap",
-    "LayerScales",
-    "LayerWindow",
-    "LayerwiseScalingState",
-    "discover",
-    "layer_metrics",
-    "layerwise_scaling",
-    "value_and_grad",
-]
 
 
 @dataclasses.dataclass(frozen=True)
