@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from lossscale_jax._flax_serialization import FIELDS, POLICY_STATE
+from lossscale_jax.checkpoint._flax_serialization import FIELDS, POLICY_STATE
 from lossscale_jax.engine._state import LossScaleState, is_loss_scale_state
 from lossscale_jax.errors import CheckpointPolicyError
 
