@@ -4,6 +4,10 @@
 - no import cycle between the package's modules;
 - no private name of a public module imported by another module (internals live in
   underscore modules);
+- the package is a handful of folders by topic and its public entry modules; imports run one
+  way between them (``ORDER``, engine at the bottom, compat at the top), and each folder's
+  ``__init__`` docstring says what its modules hold and what it may import;
+- every public module path and name of before the folders still imports;
 - the Flax, Orbax, matplotlib and Equinox imports sit only in the modules that need them,
   and ``import lossscale_jax`` loads none of them (tests/test_seams.py runs it; Equinox
   loads with ``lsj.compat.mpx`` only, tests/test_compat_mpx_dropin.py).
@@ -91,6 +95,96 @@ def test_no_private_name_of_a_public_module_is_imported():
         and not _is_private(target)
     ]
     assert not crossing, crossing
+
+
+# The parts of the package from the bottom up (docs/architecture.md): a folder, or a module
+# beside the package's __init__. A part may import its own modules, errors.py and the parts
+# on the floors below it; the front-end modules on one floor may import each other (the
+# cycle test above keeps that acyclic). The package's own __init__ sits on top of them all.
+ORDER: list[set[str]] = [
+    {"errors"},
+    {"engine"},
+    {"policies"},
+    {"taps"},
+    {"access"},
+    {"numerics", "stuck", "testing", "transform", "accumulation", "fused", "flax_utils"},
+    {"layerwise"},
+    {"diagnosis"},
+    {"checkpoint"},
+    {"compat"},
+]
+FOLDERS = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module != PACKAGE.name else PACKAGE.name
+
+
+def _floor(part: str) -> int:
+    if part == PACKAGE.name:
+        return len(ORDER)
+    return next(i for i, parts in enumerate(ORDER) if part in parts)
+
+
+def test_every_part_of_the_package_has_a_floor():
+    parts = {_part(m) for m in MODULES} - {PACKAGE.name}
+    assert parts == set().union(*ORDER), parts ^ set().union(*ORDER)
+
+
+def test_the_folders_are_the_parts_by_topic():
+    # What a newcomer listing lossscale_jax/ sees: the folders, and the public entry modules.
+    assert FOLDERS == sorted(
+        ["access", "checkpoint", "compat", "diagnosis", "engine", "layerwise", "policies", "taps"]
+    )
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert all(not n.startswith("_") or n == "__init__.py" for n in loose), loose
+
+
+def test_imports_run_one_way_between_the_parts():
+    upward = []
+    for m in MODULES:
+        own = _part(m)
+        for target, _ in _imports(m):
+            if target not in MODULES:
+                target = target.rsplit(".", 1)[0]
+            there = _part(target)
+            if there in (own, "errors"):
+                continue
+            if _floor(there) > _floor(own) or (_floor(there) == _floor(own) and there in FOLDERS):
+                upward.append(f"{m} -> {target}")
+    assert not upward, upward
+
+
+def _may_import(folder: str) -> str:
+    doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or ""
+    assert "May import:" in doc, f"{folder}/__init__.py does not say what it may import"
+    return doc.split("May import:", 1)[1].split("\n\n", 1)[0]
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
+    doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or ""
+    modules = sorted(p.stem for p in (PACKAGE / folder).glob("_*.py") if p.stem != "__init__")
+    unnamed = [n for n in modules if f"``{n}``" not in doc]
+    assert not unnamed, f"{folder}/__init__.py does not say what {unnamed} hold"
+    # Every part the folder imports is named where the docstring says what it may import.
+    may = _may_import(folder)
+    imported = {
+        _part(t if t in MODULES else t.rsplit(".", 1)[0])
+        for m in MODULES
+        if _part(m) == folder
+        for t, _ in _imports(m)
+    } - {folder, "errors", PACKAGE.name}
+    front_ends = ORDER[5]
+    unnamed = [
+        p
+        for p in sorted(imported)
+        if f"``{p}``" not in may
+        and f"lossscale_jax.{p}``" not in may
+        and not (p in front_ends and "the front-end modules" in may)
+        and "everything else in the package" not in may
+    ]
+    assert not unnamed, f"{folder}/__init__.py imports {unnamed} without saying it may"
 
 
 @pytest.mark.parametrize(
