@@ -22,27 +22,24 @@ tap before it, all of it at cumulative scale ``C_j``; the loss's segment runs at
 ``C_n``. Tap ``j`` multiplies the signal by ``f_j = C_j / C_{j+1}``. Each segment adapts ``C_j``
 by ``HeadroomScale``'s rule from its own range, and the overflow skip is the safety net.
 
-Holds: ``_scaling`` (the layer map, ``discover``, ``value_and_grad``, ``layerwise_scaling``)
-and ``_segments`` (which layer taps each parameter's gradient passes: a jaxpr walk). The step
-is the engine's: ``Engine.check_layers``, ``decide``, ``select``; this folder adds the
-segments, their scales and the per-leaf unscale.
+Holds: ``_map`` (``LayerMap``, ``discover``, ``value_and_grad``, ``factors``,
+``layer_metrics``), ``_segments`` (which layer taps each parameter's gradient passes: a jaxpr
+walk), ``_step`` (``LayerwiseStep``: the per-layer step's stages: check, decide per segment,
+unscale, apply or skip, the accumulation window) and ``_scaling`` (``layerwise_scaling``, the
+factory that validates and wraps the step). The check, the collective and the skip are the
+engine's (``Engine.check_layers``, ``fold``, ``select``); this folder adds the segments, their
+scales and the per-leaf unscale.
 
 May import: what lies below it in the package's order (``engine``, ``policies``, ``taps``,
 ``access``, the front-end modules) and ``errors``.
 """
 
+from lossscale_jax.engine._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
+
 # factors (the tap multipliers of a layerwise optimizer state) stays importable here.
-from lossscale_jax.layerwise._scaling import (
-    LayerMap,
-    LayerScales,
-    LayerWindow,
-    LayerwiseScalingState,
-    discover,
-    layer_metrics,
-    layerwise_scaling,
-    value_and_grad,
-)
-from lossscale_jax.layerwise._scaling import factors as factors
+from lossscale_jax.layerwise._map import LayerMap, discover, layer_metrics, value_and_grad
+from lossscale_jax.layerwise._map import factors as factors
+from lossscale_jax.layerwise._scaling import layerwise_scaling
 
 __all__ = [
     "LayerMap",
