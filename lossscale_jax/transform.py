@@ -1,7 +1,7 @@
 """``loss_scaling``: the Optax transformation (the front-end most users call).
 
 It unscales, checks, adjusts the scale and applies the inner transformation only on a
-good step; the step itself is the engine's (``_engine.py``). The functions that read
+good step; the step itself is the engine's (``engine/_engine.py``). The functions that read
 and change its state are re-exported here, where they were first documented.
 """
 
