@@ -10,11 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lossscale_jax import _flax_serialization, errors, layerwise, taps, testing
-from lossscale_jax._state import keep_policy_state
+from lossscale_jax import errors, layerwise, taps, testing
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
-from lossscale_jax.checkpoint import check_checkpoint, restore_flax, restore_orbax
+from lossscale_jax.checkpoint import (
+    _flax_serialization,
+    check_checkpoint,
+    restore_flax,
+    restore_orbax,
+)
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, TapDiagnosis, diagnose
+from lossscale_jax.engine._state import keep_policy_state
 from lossscale_jax.fused import apply_gradients
 from lossscale_jax.layerwise import layerwise_scaling
 from lossscale_jax.numerics import (

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from lossscale_jax import numerics
-from lossscale_jax._devices import AxisName
-from lossscale_jax._engine import (
+from lossscale_jax.engine._devices import AxisName
+from lossscale_jax.engine._engine import (
     Check,
     Engine,
     EngineUpdate,
@@ -23,11 +23,11 @@ from lossscale_jax._engine import (
     inner_or_skip,
     skip_updates,
 )
-from lossscale_jax._hyper import check_int
-from lossscale_jax._nesting import prepare_inner, refuse_nested_state
-from lossscale_jax._opt_states import LossScalingMultiStepsState
-from lossscale_jax._window import acc_zeros, add_good, cleared
-from lossscale_jax._window import mean_of as window_mean
+from lossscale_jax.engine._hyper import check_int
+from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
+from lossscale_jax.engine._opt_states import LossScalingMultiStepsState
+from lossscale_jax.engine._window import acc_zeros, add_good, cleared
+from lossscale_jax.engine._window import mean_of as window_mean
 from lossscale_jax.policies import LossScalePolicy
 
 __all__ = ["LossScalingMultiStepsState", "loss_scaling_multi_steps"]

@@ -22,9 +22,9 @@ import optax
 from flax import nnx, struct
 from flax.training import train_state
 
-from lossscale_jax._engine import engine_of
-from lossscale_jax._nesting import locate
-from lossscale_jax._opt_states import (
+from lossscale_jax.engine._engine import engine_of
+from lossscale_jax.engine._nesting import locate
+from lossscale_jax.engine._opt_states import (
     LayerwiseScalingState,
     LossScalingState,
     StepOutcome,

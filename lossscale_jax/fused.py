@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax._engine import check_state, engine_of
-from lossscale_jax._opt_states import LossScalingState
+from lossscale_jax.engine._engine import check_state, engine_of
+from lossscale_jax.engine._opt_states import LossScalingState
 
 __all__ = ["apply_gradients"]
 

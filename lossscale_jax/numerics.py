@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lossscale_jax._check import (
+from lossscale_jax.engine._check import (
     COMPUTE_DTYPES,
     OVERFLOW_MODES,
     OverflowMode,
@@ -24,7 +24,7 @@ from lossscale_jax._check import (
     validate_compute_dtype,
     validate_overflow_mode,
 )
-from lossscale_jax._unscale import scale_is_bad, unscale_tree, valid_scale
+from lossscale_jax.engine._unscale import scale_is_bad, unscale_tree, valid_scale
 
 __all__ = [
     "COMPUTE_DTYPES",

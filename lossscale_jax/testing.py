@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lossscale_jax._jaxprs import ClosedJaxpr
+from lossscale_jax.engine._jaxprs import ClosedJaxpr
 
 __all__ = ["saturate", "saturating"]
 

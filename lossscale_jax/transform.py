@@ -1,7 +1,7 @@
 """``loss_scaling``: the Optax transformation (the front-end most users call).
 
 It unscales, checks, adjusts the scale and applies the inner transformation only on a
-good step; the step itself is the engine's (``_engine.py``). The functions that read
+good step; the step itself is the engine's (``engine/_engine.py``). The functions that read
 and change its state are re-exported here, where they were first documented.
 """
 
@@ -13,14 +13,15 @@ import jax.numpy as jnp
 import optax
 
 from lossscale_jax import numerics
-from lossscale_jax._access import (
+from lossscale_jax.access._access import (
     get_loss_scale_state,
     scale_loss,
     set_loss_scale_state,
     switch_policy,
 )
-from lossscale_jax._devices import AxisName, reduce_overflow
-from lossscale_jax._engine import (
+from lossscale_jax.access._metrics import metrics, overflowed_leaves
+from lossscale_jax.engine._devices import AxisName, reduce_overflow
+from lossscale_jax.engine._engine import (
     ATTRIBUTIONS,
     Engine,
     EngineUpdate,
@@ -28,9 +29,8 @@ from lossscale_jax._engine import (
     inner_or_skip,
     validate_attribution,
 )
-from lossscale_jax._metrics import metrics, overflowed_leaves
-from lossscale_jax._nesting import prepare_inner, refuse_nested_state
-from lossscale_jax._opt_states import LossScalingState
+from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
+from lossscale_jax.engine._opt_states import LossScalingState
 from lossscale_jax.policies import LossScalePolicy
 
 __all__ = [

@@ -55,7 +55,7 @@ def platform_formulation():
     conditional, XLA:GPU's select), whatever LOSSSCALE_JAX_SKIP forces: for tests of the
     program that backend runs (its temporaries, its kernels). The override is part of JAX's
     trace-cache key, so nothing traced under another formulation is reused."""
-    from lossscale_jax import _skip
+    from lossscale_jax.engine import _skip
 
     platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     with _skip.formulation(_skip.BY_PLATFORM.get(platform, "cond")):

@@ -68,7 +68,7 @@ def assert_trees_equal(a: Any, b: Any, what: str = "") -> None:
 def skip_formulation() -> str:
     """The skip's formulation a step traced now takes on JAX's default backend: the override
     (``LOSSSCALE_JAX_SKIP``, or a test's ``_skip.formulation``), else the backend's own."""
-    from lossscale_jax import _skip
+    from lossscale_jax.engine import _skip
 
     platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())  # or rocm
     return _skip.current() or _skip.BY_PLATFORM.get(platform, "cond")

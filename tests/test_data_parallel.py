@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from reference_scalers import ReferenceDynamic
 
 import lossscale_jax as lsj
-from lossscale_jax import _skip  # which formulations a process traces
+from lossscale_jax.engine import _skip  # which formulations a process traces
 
 # Slow (make test-fast leaves it out): pmap, shard_map and sharded jit on 8 devices, and 2
 # processes.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import lossscale_jax as lsj
-from lossscale_jax import _upcast
+from lossscale_jax.taps import _upcast
 
 # Slow (make test-fast leaves it out): each test compiles a model's gradients at many loss scales,
 # or runs a process.

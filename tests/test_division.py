@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from lossscale_jax import _division
-from lossscale_jax._state import RECENT_STEPS
+from lossscale_jax.engine import _division
+from lossscale_jax.engine._state import RECENT_STEPS
 from lossscale_jax.policies._tolerant import MAX_COUNT
 
 

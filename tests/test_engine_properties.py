@@ -41,7 +41,8 @@ from hypothesis import strategies as st
 from reference_engine import Reference
 
 import lossscale_jax as lsj
-from lossscale_jax import _division, _skip, compat
+from lossscale_jax import compat
+from lossscale_jax.engine import _division, _skip
 
 pytestmark = pytest.mark.slow
 
@@ -410,7 +411,7 @@ def test_front_end_matches_the_reference(name, policy_name):
 
 
 # The skip's other formulation (a select per leaf or one lax.cond; XLA:GPU takes the first,
-# XLA:CPU the second: lossscale_jax/_skip.py), forced: every front-end but the Optax path's
+# XLA:CPU the second: lossscale_jax/engine/_skip.py), forced: every front-end but the Optax path's
 # twin (accumulation_1) against the same reference, step for step, so that every run holds
 # both formulations to it (CI runs the whole suite under the select). Three policies of
 # different kinds (counters, a measured range, none moving): the formulation selects the same

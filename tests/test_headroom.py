@@ -479,7 +479,7 @@ def test_a_float16_loss_without_taps_gets_the_loss_taps_room(monkeypatch):
     assert max(with_taps[0]) < 2.0**16 and not any(with_taps[1])
     # Without the note (what a step without taps saw before): the scale climbs into the
     # ceiling, overflows and skips. That is what the note prevents.
-    from lossscale_jax import _loss_note
+    from lossscale_jax.engine import _loss_note
 
     monkeypatch.setattr(_loss_note, "note", lambda scale, dtype: None)
     scales, skipped = _float16_loss_run(False)

@@ -408,7 +408,7 @@ def test_benchmark_command_renders_the_saved_run(tmp_path):
 def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     """A skipped step's updates are -0.0 (params + updates keeps -0.0 parameters): the same
     compiled step, op for op and byte for byte, as with +0.0 (which would not keep them)."""
-    from lossscale_jax import _engine
+    from lossscale_jax.engine import _engine
 
     rng = np.random.default_rng(3)
     params = _params(rng, jnp.float32)

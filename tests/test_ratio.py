@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lossscale_jax._ratio import MAX_COUNT, RatioThreshold, _neighbours
+from lossscale_jax.engine._ratio import MAX_COUNT, RatioThreshold, _neighbours
 
 THRESHOLDS = [
     0.1,

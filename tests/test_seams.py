@@ -1,6 +1,6 @@
 """The seams a new user tried, each a defect of a hand-kept copy of the step (issue 22).
 
-Each test here failed before the step was written once (``lossscale_jax/_engine.py``):
+Each test here failed before the step was written once (``lossscale_jax/engine/_engine.py``):
 accumulation with a policy that never skips, ``compat.torch.multi_optimizer``'s own
 copy of the step, a pmap-replicated state at the checkpoint and policy seams, an
 accumulation checkpoint moved between DynamicScale and HeadroomScale, the messages of

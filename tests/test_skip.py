@@ -18,8 +18,8 @@ import pytest
 from jax.experimental import checkify
 
 import lossscale_jax as lsj
-from lossscale_jax import _skip
 from lossscale_jax import layerwise as lw
+from lossscale_jax.engine import _skip
 
 PARAMS = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32)}
 GOOD = {"w": jnp.array([1.0, 2.0, -3.0], jnp.float16)}

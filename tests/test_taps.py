@@ -21,7 +21,7 @@ from helpers import F16_UNIT_ROUNDOFF, assert_bits_equal, assert_within_rounding
 from jax.sharding import Mesh, PartitionSpec
 
 import lossscale_jax as lsj
-from lossscale_jax import _tap_stats as layout
+from lossscale_jax.engine import _tap_stats as layout
 
 F16_TINY = 2.0**-14
 # Two float16 programs that compute the same values (with and without taps, with and without

@@ -2,8 +2,8 @@
 
 Everything else in the package uses public names only (``lsj.loss_scaling``,
 ``lsj.LossScalingState``, ``lsj.unscale``, ...). The prototypes need three things the library
-does not publish, and they are all here, so that when the library's private modules move this
-file changes and nothing else does:
+does not publish (from its engine, ``lossscale_jax/engine/``), and they are all here, so that
+when the library's private modules move this file changes and nothing else does:
 
 - ``_check.leaf_flags`` (the per-leaf overflow check) and ``_check.GROUP`` (how many
   same-shape leaves one reduction checks), replaced while a step is traced
@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax import _check, _engine, _skip, numerics
+from lossscale_jax import numerics
+from lossscale_jax.engine import _check, _engine, _skip
 
 #: ``(leaves, mode, threshold) -> [one scalar bool per leaf]``: an overflow check that
 #: measures no range.

@@ -321,7 +321,7 @@ VARIANTS |= {
     ),
     "lsj_layerwise": variant_layerwise,
     "lsj_headroom_taps": variant_headroom_taps,
-    # The skip's two formulations forced, whatever the backend takes (lossscale_jax/_skip.py:
+    # The skip's two formulations forced, whatever the backend takes (lossscale_jax/engine/_skip.py:
     # a select per leaf on XLA:GPU, a lax.cond elsewhere): one measured against the other.
     "lsj_optax_select_ieee": functools.partial(
         variant_lsj, fused=False, mode="ieee", formulation="select"

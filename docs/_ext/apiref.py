@@ -10,8 +10,11 @@ when a public name, or a public method of a public class, has no docstring::
        policies: Policies and state
 
 The optional lines order the sections and give them titles: the names are grouped by the
-module that defines them (``lossscale_jax.transform``, ...); a module not listed gets a
-section titled with the first line of its docstring, after the listed ones. A module named
+public module or package they belong to, never by the private file that defines them
+(``lossscale_jax.policies._fixed`` and ``lossscale_jax.engine._state`` are both
+``lossscale_jax.policies``; see ``_home``); a public module not listed gets a section titled
+with the first line of its docstring, after the listed ones. A line without a module
+(``: Title``) titles the names that belong to ``MODULE`` itself. A module named
 in ``__all__`` (``compat``, ``testing``) is linked, not inlined, and must be documented by
 an ``api`` directive of its own somewhere in the site (the build warns otherwise).
 
@@ -84,6 +87,31 @@ def _namespace_functions(ns: Any, package: str) -> list[str]:
         and isinstance(v, types.FunctionType | staticmethod | classmethod)
         and _defined_in(v, package)
     ]
+
+
+def _public(module: str) -> str:
+    """The public module or package a module belongs to: its path up to its first private part."""
+    parts = module.split(".")
+    private = [i for i, part in enumerate(parts) if part.startswith("_")]
+    return ".".join(parts[: private[0]]) if private else module
+
+
+def _home(obj: Any, name: str, modname: str, listed: list[str]) -> str:
+    """Where a public name of ``modname`` is documented: the public package that defines and
+    exports it (``policies`` for ``policies._fixed.StaticScale``); else the first listed
+    section whose module exports it in ``__all__``, then the first that has it at all
+    (``lsj.TapStats``, importable from ``lossscale_jax.taps``); else ``modname`` itself."""
+    defined = _public(getattr(obj, "__module__", None) or modname)
+    if defined != modname and name in getattr(importlib.import_module(defined), "__all__", ()):
+        return defined
+    modules = {m: importlib.import_module(m) for m in listed if m != modname}
+    for m, module in modules.items():
+        if name in getattr(module, "__all__", ()):
+            return m
+    for m, module in modules.items():
+        if getattr(module, name, None) is obj:
+            return m
+    return modname
 
 
 def _first_line(obj: Any) -> str:
@@ -172,14 +200,14 @@ class ApiDirective(SphinxDirective):
     def _grouped(self, module: types.ModuleType, modname: str, names: list[str]) -> list[str]:
         submodules = [n for n in names if isinstance(getattr(module, n), types.ModuleType)]
         objects = [n for n in names if n not in submodules]
-        groups: dict[str, list[str]] = {}
-        for name in objects:
-            defined_in = getattr(getattr(module, name), "__module__", None) or modname
-            groups.setdefault(defined_in, []).append(name)
         titles = {
             f"{modname}.{short}" if short else modname: title
             for short, title in self._sections().items()
         }
+        groups: dict[str, list[str]] = {}
+        for name in objects:
+            home = _home(getattr(module, name), name, modname, list(titles))
+            groups.setdefault(home, []).append(name)
         for listed in titles:
             if listed not in groups:
                 self._warn(f"section {listed!r} holds no name of {modname}.__all__")
@@ -198,7 +226,10 @@ class ApiDirective(SphinxDirective):
             if group != modname or group in titles:
                 lines += _title(titles.get(group) or _first_line(importlib.import_module(group)))
             for name in groups[group]:
-                lines += self._document(f"{modname}.{name}", getattr(module, name), group, name)
+                obj = getattr(module, name)
+                # autodata reads a '#:' comment in the module that assigns the name.
+                defined = getattr(obj, "__module__", None) or modname
+                lines += self._document(f"{modname}.{name}", obj, defined, name)
         return lines
 
     def _namespaces(self, module: types.ModuleType, modname: str, names: list[str]) -> list[str]:

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lossscale_jax import _check, numerics
+from lossscale_jax import numerics
+from lossscale_jax.engine import _check
 
 
 def _or_max(a, b):

@@ -23,8 +23,8 @@ import model
 import numpy as np
 
 import lossscale_jax as lsj
-from lossscale_jax._state import clamp as _clamp
-from lossscale_jax._state import record_step as _record
+from lossscale_jax.engine._state import clamp as _clamp
+from lossscale_jax.engine._state import record_step as _record
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, initial_state
 from lossscale_jax.policies._headroom import pow2_target as _pow2_target
 

@@ -46,6 +46,19 @@ values to zero, and a zero scale trains nothing).
 
 ``mpx`` loads Equinox, which the rest of the package does not need: it is imported on
 first use (``compat.mpx``, or ``from lossscale_jax.compat import mpx``).
+
+Holds: one public module per framework (the table above) and the private modules they
+share or outgrow: ``_common`` (the argument checks, worded in the originals' names),
+``_deepspeed_fp16`` (DeepSpeed's fp16 optimizers without ZeRO), ``_fairseq_scale``
+(fairseq's and metaseq's rule as one policy), ``_flax_scale`` (the Flax-shaped
+``DynamicScale``), ``_jmp_policy`` and ``_jmp_scale`` (jmp's precision policies and loss-scale
+objects), ``_mpx_cast``, ``_mpx_grad`` and ``_mpx_scale`` (mpx's casts, gradient tools and
+loss scale) and ``_torch_multi`` (``torch.multi_optimizer``).
+
+May import: everything else in the package (it is the top of the order: ``engine``,
+``policies``, ``taps``, ``access``, the front-end modules, ``layerwise``, ``diagnosis``,
+``checkpoint``) and ``errors``. Nothing in the package imports it but ``lossscale_jax``'s
+``__init__``, on first use.
 """
 
 from __future__ import annotations

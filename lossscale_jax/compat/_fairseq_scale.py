@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from lossscale_jax._ratio import RatioThreshold
-from lossscale_jax._state import (
+from lossscale_jax.compat._common import _TINY, _int, _number
+from lossscale_jax.engine._ratio import RatioThreshold
+from lossscale_jax.engine._state import (
     I32_MAX,
     LossScaleState,
     initial_state,
@@ -29,7 +30,6 @@ from lossscale_jax._state import (
     safe_increment,
     with_scale,
 )
-from lossscale_jax.compat._common import _TINY, _int, _number
 from lossscale_jax.policies import LossScalePolicy
 
 _F32 = np.float32

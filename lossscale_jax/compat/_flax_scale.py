@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale_jax import policies
-from lossscale_jax._engine import Engine
-from lossscale_jax._state import initial_state
 from lossscale_jax.compat._common import (
     _F32_MAX,
     _TINY,
@@ -30,6 +28,8 @@ from lossscale_jax.compat._common import (
     _int,
     _number,
 )
+from lossscale_jax.engine._engine import Engine
+from lossscale_jax.engine._state import initial_state
 
 _NUMBERS = (bool, int, float, np.generic)
 

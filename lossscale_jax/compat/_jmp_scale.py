@@ -22,8 +22,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from lossscale_jax import numerics, policies
-from lossscale_jax._state import initial_state
 from lossscale_jax.compat._common import _INF, _TINY, _build, _number, _whole
+from lossscale_jax.engine._state import initial_state
 from lossscale_jax.policies import LossScaleState, NoScale, StaticScale
 
 T = TypeVar("T")

@@ -13,17 +13,17 @@ import jax.numpy as jnp
 import optax
 
 from lossscale_jax import numerics
-from lossscale_jax._devices import AxisName
-from lossscale_jax._engine import (
+from lossscale_jax.compat._common import _check_policy
+from lossscale_jax.engine._devices import AxisName
+from lossscale_jax.engine._engine import (
     Engine,
     EngineUpdate,
     check_state,
     inner_or_skip,
 )
-from lossscale_jax._nesting import prepare_inner, refuse_nested_state
-from lossscale_jax._opt_states import LossScalingState
-from lossscale_jax._unscale import scale_is_bad
-from lossscale_jax.compat._common import _check_policy
+from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
+from lossscale_jax.engine._opt_states import LossScalingState
+from lossscale_jax.engine._unscale import scale_is_bad
 from lossscale_jax.policies import LossScalePolicy
 
 __all__ = ["multi_optimizer"]

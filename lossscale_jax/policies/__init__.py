@@ -10,10 +10,15 @@ static, validated hyperparameters and three pure functions: ``init() -> LossScal
 - ``_dynamic``: ``DynamicScale`` (growth, backoff, hysteresis, bounds);
 - ``_tolerant``: ``TolerantDynamicScale`` (backs off past a tolerated overflow rate);
 - ``_headroom``: ``HeadroomScale`` (the scale set from the gradients' own range).
+
+The protocol itself (``LossScalePolicy``) and the state are the engine's (``engine/_policy``,
+``engine/_state``): the engine calls a policy without importing this folder.
+
+May import: ``lossscale_jax.engine`` and ``lossscale_jax.errors``, nothing above them.
 """
 
-from lossscale_jax._state import RECENT_STEPS, LossScaleState, initial_state
-from lossscale_jax.policies._base import LossScalePolicy
+from lossscale_jax.engine._policy import LossScalePolicy
+from lossscale_jax.engine._state import RECENT_STEPS, LossScaleState, initial_state
 from lossscale_jax.policies._dynamic import DynamicScale
 from lossscale_jax.policies._fixed import NoScale, StaticScale
 from lossscale_jax.policies._headroom import HeadroomScale

@@ -8,8 +8,9 @@ import math
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lossscale_jax import _hyper
-from lossscale_jax._state import (
+from lossscale_jax.engine import _hyper
+from lossscale_jax.engine._policy import LossScalePolicy, as_overflow
+from lossscale_jax.engine._state import (
     LossScaleState,
     clamp,
     initial_state,
@@ -17,7 +18,6 @@ from lossscale_jax._state import (
     safe_increment,
     with_scale,
 )
-from lossscale_jax.policies._base import LossScalePolicy, as_overflow
 
 _GROWTH_OVERFLOW: tuple[str, ...] = ("refuse", "clamp")
 

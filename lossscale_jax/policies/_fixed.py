@@ -7,9 +7,9 @@ import dataclasses
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lossscale_jax import _hyper
-from lossscale_jax._state import LossScaleState, initial_state, record_step, with_scale
-from lossscale_jax.policies._base import LossScalePolicy, as_overflow
+from lossscale_jax.engine import _hyper
+from lossscale_jax.engine._policy import LossScalePolicy, as_overflow
+from lossscale_jax.engine._state import LossScaleState, initial_state, record_step, with_scale
 
 
 def _fixed_step(

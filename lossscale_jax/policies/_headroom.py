@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from lossscale_jax import _hyper
-from lossscale_jax._state import (
+from lossscale_jax.engine import _hyper
+from lossscale_jax.engine._policy import LossScalePolicy, as_overflow
+from lossscale_jax.engine._state import (
     LossScaleState,
     clamp,
     initial_state,
@@ -19,7 +20,6 @@ from lossscale_jax._state import (
     safe_increment,
     with_scale,
 )
-from lossscale_jax.policies._base import LossScalePolicy, as_overflow
 
 
 def pow2_target(peak: jax.Array, margin: jax.Array) -> jax.Array:

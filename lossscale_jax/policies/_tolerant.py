@@ -7,9 +7,10 @@ import dataclasses
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lossscale_jax import _hyper
-from lossscale_jax._division import MAX_COUNT, divide_by_count
-from lossscale_jax._state import (
+from lossscale_jax.engine import _hyper
+from lossscale_jax.engine._division import MAX_COUNT, divide_by_count
+from lossscale_jax.engine._policy import LossScalePolicy, as_overflow
+from lossscale_jax.engine._state import (
     LossScaleState,
     clamp,
     increment_if,
@@ -18,7 +19,6 @@ from lossscale_jax._state import (
     safe_increment,
     with_scale,
 )
-from lossscale_jax.policies._base import LossScalePolicy, as_overflow
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lossscale_jax._tap_stats import TapStats, measure_backward
+from lossscale_jax.engine._tap_stats import TapStats, measure_backward
 
 _KEEP = 32
 _NOTES: list[tuple[weakref.ref, np.dtype]] = []

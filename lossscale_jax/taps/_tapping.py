@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax._devices import pcast_to, varying_axes
-from lossscale_jax._tap_stats import WIDTH, TapStats, measure_backward, measure_forward
+from lossscale_jax.engine._devices import pcast_to, varying_axes
+from lossscale_jax.engine._tap_stats import WIDTH, TapStats, measure_backward, measure_forward
 from lossscale_jax.errors import TapError
 
 

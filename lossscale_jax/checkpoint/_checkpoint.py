@@ -1,14 +1,6 @@
-"""Saving and restoring optimizer states that hold a ``LossScaleState``.
+"""``check_checkpoint``, ``restore_flax``, ``restore_orbax``: a checkpoint checked, then restored.
 
-Orbax handles ``LossScaleState`` as it is (a registered pytree).
-``flax.serialization`` knows it as a state dict of its fields, so
-``flax.serialization.to_bytes``/``from_bytes`` round-trip it (registered when
-Flax's serialization module loads; ``import lossscale_jax`` loads no Flax).
-``restore_orbax`` and ``restore_flax`` check the checkpoint's structure
-against the optimizer state before restoring, so a checkpoint saved
-without loss scaling fails with an error that says so. Given ``policy=``,
-they also refuse a loss-scale state that the policy would not hold (saved
-under another policy): ``switch_policy`` is the way to continue with it.
+Re-exported by ``lossscale_jax.checkpoint`` (its docstring tells the whole story).
 """
 
 from __future__ import annotations
@@ -20,13 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax import _checkpoint_policy_state as _policy_state
-from lossscale_jax._flax_serialization import FIELDS, POLICY_STATE
-from lossscale_jax._state import LossScaleState, is_loss_scale_state
+from lossscale_jax.checkpoint import _policy_state
+from lossscale_jax.checkpoint._flax_serialization import FIELDS, POLICY_STATE
+from lossscale_jax.engine._policy import LossScalePolicy, check_policy
+from lossscale_jax.engine._state import LossScaleState, is_loss_scale_state
 from lossscale_jax.errors import CheckpointError, CheckpointPolicyError, CheckpointVersionError
-from lossscale_jax.policies._base import LossScalePolicy, check_policy
-
-__all__ = ["check_checkpoint", "restore_flax", "restore_orbax"]
 
 # Fields whose presence marks a subtree of a checkpoint as a loss-scale state.
 _MARKERS = frozenset({"scale", "growth_count", "hysteresis_count"})

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lossscale_jax import _loss_note
-from lossscale_jax._check import at_least_float32
-from lossscale_jax._nesting import locate
-from lossscale_jax._state import LossScaleState, is_loss_scale_state
-from lossscale_jax._tapping import tap_array
-from lossscale_jax.policies._base import LossScalePolicy, check_policy
+from lossscale_jax.engine import _loss_note
+from lossscale_jax.engine._check import at_least_float32
+from lossscale_jax.engine._nesting import locate
+from lossscale_jax.engine._policy import LossScalePolicy, check_policy
+from lossscale_jax.engine._state import LossScaleState, is_loss_scale_state
+from lossscale_jax.taps._tapping import tap_array
 
 
 def get_loss_scale_state(opt_state: Any) -> LossScaleState:

@@ -13,7 +13,7 @@ import jax
 import jax.core
 import numpy as np
 
-from lossscale_jax._state import F32_MAX, I32_MAX
+from lossscale_jax.engine._state import F32_MAX, I32_MAX
 
 
 def concrete(name: str, value: Any) -> Any:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from lossscale_jax._division import divide_by_count
+from lossscale_jax.engine._division import divide_by_count
 
 F32_MAX = float(np.finfo(np.float32).max)
 I32_MAX = int(np.iinfo(np.int32).max)

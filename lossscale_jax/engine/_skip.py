@@ -46,7 +46,7 @@ import jax
 import jax.extend.backend as jex_backend
 import jax.numpy as jnp
 
-from lossscale_jax._devices import cond, match_varying
+from lossscale_jax.engine._devices import cond, match_varying
 
 FORMULATIONS = ("cond", "select")
 

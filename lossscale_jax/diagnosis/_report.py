@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from lossscale_jax._localizer import TapDiagnosis, pct
-from lossscale_jax._localizer import table as localizer_table
+from lossscale_jax.diagnosis._localizer import TapDiagnosis, pct
+from lossscale_jax.diagnosis._localizer import table as localizer_table
 
 # Histogram bins of floor(log2|g|): every finite nonzero float32 (2^-149 .. 2^127).
 # A reference entry counts as nonzero when |g| > NOISE * max|g| of its leaf (per batch):
@@ -265,7 +265,7 @@ class Diagnosis:
           >>> os.path.exists(path)
           True
         """
-        from lossscale_jax import _plot
+        from lossscale_jax.diagnosis import _plot
 
         return _plot.plot(self, path, max_leaves=max_leaves, log2_min=LOG2_MIN)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from lossscale_jax._state import LossScaleState
+from lossscale_jax.engine._state import LossScaleState
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossScaleState))
 POLICY_STATE = "policy_state"

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax import _tap_stats as layout
-from lossscale_jax._tap_stats import TapStats
-from lossscale_jax._tapping import Recorder, recorder
+from lossscale_jax.engine import _tap_stats as layout
+from lossscale_jax.engine._tap_stats import TapStats
+from lossscale_jax.taps._tapping import Recorder, recorder
 
 
 @dataclasses.dataclass(frozen=True)

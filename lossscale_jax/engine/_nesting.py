@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import optax
 
-from lossscale_jax._engine import engine_of
-from lossscale_jax._opt_states import OWNER_TYPES
-from lossscale_jax._state import LossScaleState, is_loss_scale_state
+from lossscale_jax.engine._engine import engine_of
+from lossscale_jax.engine._opt_states import OWNER_TYPES
+from lossscale_jax.engine._state import LossScaleState, is_loss_scale_state
 from lossscale_jax.errors import NestingError, StateNotFoundError
 
 

@@ -25,8 +25,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax._jaxprs import ClosedJaxpr
-from lossscale_jax._tapping import active, substituted, tap_of_equation
+from lossscale_jax.engine._jaxprs import ClosedJaxpr
+from lossscale_jax.taps._tapping import active, substituted, tap_of_equation
 
 # Primitives whose body is inlined, and the parameter holding it (the layer-map walk of
 # _segments follows the same calls).

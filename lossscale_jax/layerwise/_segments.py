@@ -22,11 +22,11 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
-from lossscale_jax._jaxprs import ClosedJaxpr
-from lossscale_jax._tap_stats import TapStats
-from lossscale_jax._tapping import Recorder, recorder, tap_of_equation, validate_modules
-from lossscale_jax._upcast import INLINE_CALLS
+from lossscale_jax.engine._jaxprs import ClosedJaxpr
+from lossscale_jax.engine._tap_stats import TapStats
 from lossscale_jax.errors import TapError
+from lossscale_jax.taps._tapping import Recorder, recorder, tap_of_equation, validate_modules
+from lossscale_jax.taps._upcast import INLINE_CALLS
 
 MIXED = None  # the marker of a leaf whose paths pass different taps
 Deps = dict[int, frozenset | None]  # leaf -> taps passed (MIXED: paths disagree)

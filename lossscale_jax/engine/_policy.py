@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lossscale_jax._state import LossScaleState
+from lossscale_jax.engine._state import LossScaleState
 from lossscale_jax.errors import NotAPolicyError
 
 

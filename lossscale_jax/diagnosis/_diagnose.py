@@ -1,11 +1,6 @@
-"""What float16 does to a model's gradients, leaf by leaf, and which loss scale fixes it.
+"""``diagnose``: the float32 reference and float16 at a range of scales, per gradient leaf.
 
-``diagnose(loss_fn, params, batches)`` differentiates the loss twice per batch: in float32
-(the reference) and in float16 at a range of loss scales, the way a training step does, and
-reports per gradient leaf what float16 loses (entries that underflow to zero, entries that
-overflow) with a verdict per leaf and for the model, and the range of initial scales that
-neither overflows nor loses more than the least underflow any scale can reach. A host-side
-tool, run before training (it is not part of a step); its computation is jitted.
+Re-exported by ``lossscale_jax.diagnosis`` (its docstring tells the whole story).
 """
 
 from __future__ import annotations
@@ -19,28 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax import _diagnosis_report as _report
-from lossscale_jax import _localizer, _upcast, numerics
-from lossscale_jax._check import is_float
-from lossscale_jax._diagnosis_report import (
+from lossscale_jax import numerics
+from lossscale_jax.diagnosis import _localizer, _report
+from lossscale_jax.diagnosis._report import (
     _N_BINS,
     LOG2_MIN,
     NOISE,
     Diagnosis,
-    LeafDiagnosis,
     summarize,
 )
-from lossscale_jax._localizer import TapDiagnosis
-from lossscale_jax._tapping import validate_modules
-from lossscale_jax.taps import Modules, discover
-
-# The verdicts and the histogram's range, importable from here as before the split.
-LOG2_MAX = _report.LOG2_MAX
-NO_SCALING, SCALE_NEEDED = _report.NO_SCALING, _report.SCALE_NEEDED
-OVERFLOWS, UNDERFLOWS = _report.OVERFLOWS, _report.UNDERFLOWS
-
-__all__ = ["Diagnosis", "LeafDiagnosis", "TapDiagnosis", "diagnose"]
-
+from lossscale_jax.engine._check import is_float
+from lossscale_jax.taps import Modules, _upcast, discover
+from lossscale_jax.taps._tapping import validate_modules
 
 SUBNORMAL_BINADES = 3
 """An entry this many binades or more below the compute dtype's smallest normal counts as
@@ -364,7 +349,7 @@ def _localize(
             report.loss_finite,
             taps,
             report.tolerance,
-            scaling_needed=report.verdict != NO_SCALING,
+            scaling_needed=report.verdict != _report.NO_SCALING,
         ),
     )
 

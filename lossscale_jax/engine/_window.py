@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax._check import at_least_float32, is_float
+from lossscale_jax.engine._check import at_least_float32, is_float
 
 
 def acc_zeros(p: Any) -> jax.Array:

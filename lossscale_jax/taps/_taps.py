@@ -1,27 +1,6 @@
-"""Taps: statistics of the activation gradients, from inside the backward pass.
+"""The taps' public functions: ``tap``, ``recording``, ``discover``, ``value_and_grad``.
 
-Everything else the library measures is a parameter gradient. float16 fails earlier than
-that: in the loss's own cotangent, in the backward signal between layers. A tap marks a value
-of the forward pass; in the backward pass it records, for the cotangent arriving there, the
-largest magnitude, how much of it is zero or subnormal in float16, and its inf/nan entries,
-under ``jit``, ``pmap``/``shard_map``, ``scan`` and ``remat``, with no host sync.
-
-- Plain JAX: ``lsj.tap(x, "name")`` where a boundary is.
-- Flax Linen: every module's ``__call__`` output is tapped, named by its module path, without
-  changing the model (method interception while the loss is traced).
-- Flax NNX: the same, for the modules of ``recording(..., model=model)``.
-- ``lsj.scale_loss`` taps the loss itself (``"loss"``), so a float16 loss needs no user code.
-
-The statistics come back as the "gradient" of zero-valued inputs, one per tap (the sinks,
-a ``TapStats``): ``value_and_grad`` below does it in one call. Hand them to the optimizer
-(``tx.update(grads, opt_state, params, taps=stats)``, ``apply_gradients(..., taps=)``,
-``TrainState.apply_gradients(grads=, taps=)``): an inf or nan in a tapped cotangent counts as
-an overflow, and ``HeadroomScale`` keeps its scale below the range the taps show (reduced
-over devices in the overflow flag's own collective). ``lsj.diagnose`` reads them to name the
-layer where float16 breaks.
-
-Outside ``recording`` (and ``value_and_grad``) a tap is the identity: a step that does not ask
-for taps has no trace of them in its program.
+Re-exported by ``lossscale_jax.taps`` (its docstring tells the whole story).
 """
 
 from __future__ import annotations
@@ -33,8 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lossscale_jax._tap_stats import TapStats
-from lossscale_jax._tapping import (
+from lossscale_jax.engine._tap_stats import TapStats
+from lossscale_jax.errors import TapError
+from lossscale_jax.taps._tapping import (
     Recorder,
     active,
     recorder,
@@ -42,10 +22,6 @@ from lossscale_jax._tapping import (
     tap_tree,
     validate_modules,
 )
-from lossscale_jax.errors import TapError
-
-# TapStats is documented where lossscale_jax exports it (lsj.TapStats); it stays importable here.
-__all__ = ["discover", "recording", "tap", "value_and_grad"]
 
 #: Which modules are tapped: all (``True``), none (``False``), or those a predicate accepts.
 Modules = bool | Callable[[Any], bool]

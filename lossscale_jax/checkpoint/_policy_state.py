@@ -15,11 +15,11 @@ from typing import Any
 
 import jax
 
-from lossscale_jax._flax_serialization import FIELDS, POLICY_STATE
-from lossscale_jax._state import LossScaleState, is_loss_scale_state
+from lossscale_jax.checkpoint._flax_serialization import FIELDS, POLICY_STATE
+from lossscale_jax.engine._state import LossScaleState, is_loss_scale_state
 from lossscale_jax.errors import CheckpointPolicyError
 
-# {path: (shape, dtype name)}, as checkpoint.py tabulates a tree's leaves.
+# {path: (shape, dtype name)}, as _checkpoint.py tabulates a tree's leaves.
 Table = dict[tuple[str, ...], tuple[tuple[int, ...], str]]
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale_jax._state import LossScaleState
+from lossscale_jax.engine._state import LossScaleState
 
 
 class LossScalingState(NamedTuple):

@@ -9,8 +9,8 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale_jax._division import ratio_of_counts
-from lossscale_jax._nesting import locate
+from lossscale_jax.engine._division import ratio_of_counts
+from lossscale_jax.engine._nesting import locate
 
 
 def metrics(opt_state: Any) -> dict[str, jax.Array]:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from lossscale_jax._check import at_least_float32, is_float
+from lossscale_jax.engine._check import at_least_float32, is_float
 
 
 def unscaled_dtype(g: jax.Array, p: Any) -> Any:

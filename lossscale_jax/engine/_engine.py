@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale_jax import _check, _devices, _loss_note, _skip, stuck
-from lossscale_jax._state import LossScaleState
-from lossscale_jax._tap_stats import WIDTH, TapStats
-from lossscale_jax._unscale import scale_is_bad, unscale_tree
+from lossscale_jax.engine import _check, _devices, _loss_note, _skip, _stuck
+from lossscale_jax.engine._policy import LossScalePolicy, check_policy
+from lossscale_jax.engine._state import LossScaleState
+from lossscale_jax.engine._tap_stats import WIDTH, TapStats
+from lossscale_jax.engine._unscale import scale_is_bad, unscale_tree
 from lossscale_jax.errors import StructureError, TapError
-from lossscale_jax.policies._base import LossScalePolicy, check_policy
 
 ATTRIBUTIONS: tuple[str | None, ...] = ("reduced", "local", None)
 
@@ -106,7 +106,7 @@ class Engine:
             axis_name=axis_name,
             reduced=reduced,
             local=local,
-            on_stuck=stuck.validate_on_stuck(on_stuck),
+            on_stuck=_stuck.validate_on_stuck(on_stuck),
             attribution=validate_attribution(attribution),
         )
 
@@ -318,7 +318,7 @@ class Engine:
             # No amax for a policy that does not read it: a user's policy written with
             # adjust(state, overflow) keeps working.
             new = self.policy.adjust(loss_scale, check.overflow)
-        stuck.check_stuck(new, self.on_stuck, when)
+        _stuck.check_stuck(new, self.on_stuck, when)
         return new, jnp.logical_not(new.last_skipped)
 
     @staticmethod
