@@ -28,7 +28,6 @@ up to two ulps, the hook's skew would otherwise come on top of that error.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import jax
@@ -46,12 +45,9 @@ _HIGH_BITS = np.uint32(0xFFFFF000)  # sign, exponent and the top 12 of 24 signif
 MAX_SKEW = 2
 """How many ulps :func:`skewed` may move the quotient (what the correction takes)."""
 
-_SKEW: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "lossscale_jax_division_skew", default=0
-)
-# Part of JAX's trace-cache key (a user context, as _skip's override): a step traced with one
-# skew is never reused with another.
-_SKEW_KEY = jax.make_user_context(0)
+# A JAX user context: part of JAX's trace-cache key (as _skip's override), so a step traced with
+# one skew is never reused with another; read while a step is traced.
+_SKEW = jax.make_user_context(0)
 
 
 @contextlib.contextmanager
@@ -62,12 +58,8 @@ def skewed(ulps: int) -> Iterator[None]:
     traced."""
     if not isinstance(ulps, int) or isinstance(ulps, bool) or abs(ulps) > MAX_SKEW:
         raise ValueError(f"ulps must be an int from {-MAX_SKEW} to {MAX_SKEW}, got {ulps!r}.")
-    token = _SKEW.set(ulps)
-    try:
-        with _SKEW_KEY(ulps):
-            yield
-    finally:
-        _SKEW.reset(token)
+    with _SKEW(ulps):
+        yield
 
 
 def _moved(q: jax.Array, ulps: int) -> jax.Array:
@@ -116,7 +108,7 @@ def divide_by_count(a: jax.Array, n: jax.Array) -> jax.Array:
     a = jnp.asarray(a, jnp.float32)
     n = jnp.asarray(n).astype(jnp.float32)
     q = a / n
-    skew = _SKEW.get()
+    skew = _SKEW.value
     if skew:
         # From the rounded quotient, so the hook's skew is the whole error on every backend
         # (on a GPU it would otherwise add to the division's own, past what is corrected).

@@ -37,7 +37,6 @@ result is used, at the price of the conditional on a GPU. The library's own chec
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,13 +58,10 @@ BY_PLATFORM: dict[str, str] = {"cpu": "cond", "cuda": "select", "rocm": "select"
 """The formulation each platform gets (the module's docstring says why); a platform not
 listed gets ``"cond"``. benchmarks/README.md says how to measure one against the other."""
 
-_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "lossscale_jax_skip_formulation", default=None
-)
-# JAX's trace caches (jit, eval_shape, an inner jit) key on a function and its arguments, not
-# on this override: its value is also set as a user context, which is part of their key, so a
-# step traced under one formulation is never reused under another.
-_TRACE_KEY = jax.make_user_context(None)
+# The override is a JAX user context: JAX's trace caches (jit, eval_shape, an inner jit) key on
+# a function and its arguments and on the user contexts' values, so a step traced under one
+# formulation is never reused under another, and the value is read from it while tracing.
+_OVERRIDE = jax.make_user_context(None)
 
 
 @contextlib.contextmanager
@@ -73,12 +69,8 @@ def formulation(name: str) -> Iterator[None]:
     """Steps traced inside use ``name`` (``"cond"`` or ``"select"``) on every backend."""
     if name not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {name!r}.")
-    token = _OVERRIDE.set(name)
-    try:
-        with _TRACE_KEY(name):
-            yield
-    finally:
-        _OVERRIDE.reset(token)
+    with _OVERRIDE(name):
+        yield
 
 
 def current() -> str | None:
@@ -88,7 +80,7 @@ def current() -> str | None:
     Raises:
       ValueError: if :data:`ENV` holds anything but ``cond``, ``select`` or nothing.
     """
-    forced = _OVERRIDE.get()
+    forced = _OVERRIDE.value
     if forced is not None:
         return forced
     value = os.environ.get(ENV, "")
