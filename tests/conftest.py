@@ -13,16 +13,6 @@ import tempfile
 # accelerator is JAX's default backend, the CPU platform stays beside it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# A CPU run compiles with LLVM's optimizations off (XLA:CPU's backend level 0): the same HLO,
-# every pass of XLA's own, and the same IEEE arithmetic (XLA:CPU's fast math is off at every
-# level, so LLVM reorders no floating-point operation), in about two thirds of the time (the
-# suite is mostly compilation). What a test asserts of values or of the optimized HLO holds at
-# either level; no test asserts a time. A level given in XLA_FLAGS is kept; a run with an
-# accelerator (make test-gpu) keeps its compiler's default.
-_LEVEL = "--xla_backend_optimization_level"
-if "cuda" not in os.environ["JAX_PLATFORMS"] and _LEVEL not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEVEL}=0".strip()
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
