@@ -103,7 +103,7 @@ def or_(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, 
 
 
 def or_max(n: int) -> Any:
-    """The reducer of ``n`` flags followed by ``n`` magnitudes: OR, then max."""
+    """The reducer of ``n`` flags followed by magnitudes: OR, then max (``n = 0``: max alone)."""
 
     def reducer(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         return or_(a[:n], b[:n]) + tuple(
@@ -111,10 +111,6 @@ def or_max(n: int) -> Any:
         )
 
     return reducer
-
-
-def _max_all(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    return tuple(jnp.maximum(x, y) for x, y in zip(a, b, strict=True))
 
 
 def magnitude(g: jax.Array) -> jax.Array:
@@ -198,7 +194,7 @@ def leaf_flags(leaves: list[jax.Array], mode: str, threshold: float, with_max: b
                 # XLA:GPU splits a kernel of more): its coded max, the flag read off it.
                 mags = tuple(coded_magnitude(leaves[i], mode) for i in chunk)
                 inits = tuple(jnp.zeros([], m.dtype) for m in mags)
-                out = lax.reduce(mags, inits, _max_all, dims)
+                out = lax.reduce(mags, inits, or_max(0), dims)  # no flags: max alone
                 for i, peak in zip(chunk, out, strict=True):
                     flags[i] = flag_of(peak, mode, threshold)
                     maxes[i] = peak.astype(jnp.float32)
