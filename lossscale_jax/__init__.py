@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from lossscale_jax import errors, layerwise, taps, testing
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
@@ -21,7 +22,9 @@ from lossscale_jax.checkpoint import (
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, TapDiagnosis, diagnose
 from lossscale_jax.engine._state import keep_policy_state
 from lossscale_jax.fused import apply_gradients
+from lossscale_jax.gradients import unscaled_global_norm, value_and_grad
 from lossscale_jax.layerwise import layerwise_scaling
+from lossscale_jax.master import MasterWeightsState, master_weights
 from lossscale_jax.numerics import (
     check_overflow,
     check_overflow_and_range,
@@ -50,7 +53,7 @@ from lossscale_jax.transform import (
     switch_policy,
 )
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from lossscale_jax import compat
     from lossscale_jax.flax_utils import LossScaleOptimizer, TrainState
 
@@ -69,18 +72,25 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _LAZY:
         module_name, attribute = _LAZY[name]
-        module = importlib.import_module(module_name)
+        module = _importlib.import_module(module_name)
         value = module if attribute is None else getattr(module, attribute)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'lossscale_jax' has no attribute {name!r}")
 
 
+# Imported submodules that hold internals only (the engine exports no public name).
+_INTERNAL = {"engine"}
+
+
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # The public names (the lazy ones included) and the public modules, not the imports
+    # this module made for itself.
+    modules = {k for k, v in globals().items() if isinstance(v, type(_importlib))}
+    return sorted(set(__all__) | {m for m in modules - _INTERNAL if not m.startswith("_")})
 
 
 __all__ = [
@@ -93,6 +103,7 @@ __all__ = [
     "LossScaleState",
     "LossScalingMultiStepsState",
     "LossScalingState",
+    "MasterWeightsState",
     "NoScale",
     "StaticScale",
     "TapDiagnosis",
@@ -113,6 +124,7 @@ __all__ = [
     "layerwise_scaling",
     "loss_scaling",
     "loss_scaling_multi_steps",
+    "master_weights",
     "metrics",
     "overflowed_leaves",
     "reduce_overflow",
@@ -126,4 +138,6 @@ __all__ = [
     "testing",
     "unscale",
     "unscale_and_check",
+    "unscaled_global_norm",
+    "value_and_grad",
 ]

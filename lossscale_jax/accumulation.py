@@ -24,6 +24,7 @@ from lossscale_jax.engine._engine import (
     skip_updates,
 )
 from lossscale_jax.engine._hyper import check_int
+from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax.engine._opt_states import LossScalingMultiStepsState
 from lossscale_jax.engine._window import acc_zeros, add_good, cleared
@@ -134,6 +135,7 @@ def loss_scaling_multi_steps(
     def init_fn(params: optax.Params) -> LossScalingMultiStepsState:
         inner_state = inner.init(params)
         refuse_nested_state(inner_state, "loss_scaling_multi_steps")
+        warn_float16_inner(params, inner_state, "loss_scaling_multi_steps")
         return LossScalingMultiStepsState(
             loss_scale=engine.policy.init(),
             mini_step=jnp.zeros([], jnp.int32),
@@ -163,7 +165,7 @@ def loss_scaling_multi_steps(
             state.window_range if measures else None,
         )
         window = engine.fold(so_far, this)
-        grads = engine.unscale(updates, scale, params)
+        grads = engine.unscale(updates, scale, unscale_targets(params, state.inner_state))
 
         # A micro-batch that overflowed (on any device) is left out of the sum.
         acc = add_good(state.acc_grads, grads, this.overflow)
@@ -179,7 +181,11 @@ def loss_scaling_multi_steps(
         # The window's decision, taken on every call and kept at the window's end only: outside
         # the branches, so that its stuck check fires at the end alone under either formulation.
         at_end = state.mini_step >= every_k - 1
-        loss_scale, apply = engine.decide(state.loss_scale, window, when=at_end)
+        # float16 parameters: the window's update computed first, its landing checked.
+        decided, inner_update = land_first(
+            engine, window, params, inner_update, mean_of(acc), state.inner_state, at_end
+        )
+        loss_scale, apply = engine.decide(state.loss_scale, decided, when=at_end)
 
         def finish(acc_tree: Any) -> Any:
             new_updates, inner_state = inner_or_skip(
@@ -191,7 +197,7 @@ def loss_scaling_multi_steps(
                 window_overflow=jnp.zeros([], jnp.bool_),
                 acc_grads=jax.tree_util.tree_map(jnp.zeros_like, acc_tree),
                 inner_state=inner_state,
-                leaf_overflow=window.flags,
+                leaf_overflow=decided.flags,
                 window_range=jnp.zeros([], jnp.float32),
                 window_leaf_overflow=cleared(window.flags),
             )

@@ -23,12 +23,16 @@ __all__ = [
     "CheckpointError",
     "CheckpointPolicyError",
     "CheckpointVersionError",
+    "Float16OptimizerWarning",
+    "GradientDtypeError",
     "LossScalingError",
     "NestingError",
     "NotAPolicyError",
     "StateNotFoundError",
     "StructureError",
     "TapError",
+    "WiringError",
+    "WiringWarning",
 ]
 
 
@@ -76,3 +80,24 @@ class CheckpointPolicyError(CheckpointError):
 class TapError(LossScalingError, ValueError):
     """Taps used wrongly: sinks that do not match the taps a function meets, taps handed to a
     transformation that cannot read them, or a tap name that is not a non-empty string."""
+
+
+class WiringError(LossScalingError, ValueError):
+    """A step wired so that it would train silently wrong, seen while it is traced: the
+    gradients of a loss that was never scaled, a loss scaled twice, a loss scale frozen into
+    the trace (docs/errors.md says what the check sees and what it cannot)."""
+
+
+class GradientDtypeError(WiringError, TypeError):
+    """An integer or bool gradient leaf given to a loss-scaling update: it could be neither
+    unscaled nor checked, and would reach the inner optimizer scaled."""
+
+
+class WiringWarning(UserWarning):
+    """A wiring that is right only under a condition the trace cannot show (e.g. the loss
+    scaled with another optimizer state of the same step than the one ``update`` reads)."""
+
+
+class Float16OptimizerWarning(UserWarning):
+    """float16 parameters given to an inner optimizer that would run in float16 (its moments,
+    its ``eps`` and its update in float16): wrap it in ``lossscale_jax.master_weights``."""

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from lossscale_jax.engine._engine import check_state, engine_of
+from lossscale_jax.engine._landing import land_first, unscale_targets
 from lossscale_jax.engine._opt_states import LossScalingState
 
 __all__ = ["apply_gradients"]
@@ -92,6 +93,13 @@ def apply_gradients(
     scale = state.loss_scale.scale
     taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them
     check = engine.check(grads, scale, state.leaf_overflow, taps=taps)
+    targets = unscale_targets(params, state.inner_state)
+
+    def inner_update(g: Any, inner_state: Any, p: Any = params) -> Any:
+        return inner.update(engine.unscale(g, scale, targets), inner_state, p, **extra_args)
+
+    # float16 parameters: the update is computed first, and where it lands is checked.
+    check, landed = land_first(engine, check, params, inner_update, grads, state.inner_state)
     loss_scale, apply = engine.decide(state.loss_scale, check)
 
     # ``neg_zero`` is -0.0 whenever the good branch runs, but XLA cannot know
@@ -104,8 +112,7 @@ def apply_gradients(
 
     def good(operands: Any) -> Any:
         g, inner_state, p, neg_zero = operands
-        g = engine.unscale(g, scale, p)
-        updates, inner_state = inner.update(g, inner_state, p, **extra_args)
+        updates, inner_state = landed(g, inner_state, p)
         updates = jax.tree_util.tree_map(lambda u: u + neg_zero.astype(u.dtype), updates)
         return optax.apply_updates(p, updates), inner_state
 

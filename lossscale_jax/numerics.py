@@ -164,7 +164,9 @@ def unscale(grads: Any, scale: ArrayLike, params: Any = None) -> Any:
     given (fp32 master weights get float32 gradients even when the gradients
     were taken in float16); without ``params``, float16 leaves come out in
     float32 and other leaves keep their dtype. The division is done in at
-    least float32.
+    least float32. An integer or bool leaf is refused (it cannot be divided back
+    into a gradient); a ``float0`` leaf (``jax.grad(..., allow_int=True)``'s, no
+    value) passes.
 
     The scale must be finite and > 0. A Python or NumPy scale that is not
     raises ``ValueError``; a JAX array is not read back to the host, and a bad
@@ -182,6 +184,8 @@ def unscale(grads: Any, scale: ArrayLike, params: Any = None) -> Any:
     Raises:
       ValueError: if ``scale`` is a host number that is not finite and > 0, or
         not a scalar.
+      errors.GradientDtypeError: (a ``TypeError``) for an integer or bool leaf,
+        naming it.
 
     Examples:
       >>> import jax.numpy as jnp

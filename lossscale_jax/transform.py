@@ -29,6 +29,7 @@ from lossscale_jax.engine._engine import (
     inner_or_skip,
     validate_attribution,
 )
+from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax.engine._opt_states import LossScalingState
 from lossscale_jax.policies import LossScalePolicy
@@ -171,6 +172,7 @@ def loss_scaling(
     def init_fn(params: optax.Params) -> LossScalingState:
         inner_state = inner.init(params)
         refuse_nested_state(inner_state, "loss_scaling")
+        warn_float16_inner(params, inner_state, "loss_scaling")
         return LossScalingState(
             loss_scale=engine.policy.init(),
             inner_state=inner_state,
@@ -190,12 +192,17 @@ def loss_scaling(
         scale = state.loss_scale.scale
         taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them
         check = engine.check(updates, scale, state.leaf_overflow, taps=taps)
-        loss_scale, apply = engine.decide(state.loss_scale, check)
+        targets = unscale_targets(params, state.inner_state)
 
         def inner_update(g: Any, inner_state: Any) -> Any:
-            g = engine.unscale(g, scale, params)
+            g = engine.unscale(g, scale, targets)
             return inner.update(g, inner_state, params, **extra_args)
 
+        # float16 parameters: the update is computed first, and where it lands is checked.
+        check, inner_update = land_first(
+            engine, check, params, inner_update, updates, state.inner_state
+        )
+        loss_scale, apply = engine.decide(state.loss_scale, check)
         new_updates, inner_state = inner_or_skip(
             engine, apply, inner_update, updates, state.inner_state
         )

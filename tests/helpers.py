@@ -169,6 +169,16 @@ def assert_no_host_round_trip(jitted: Any, *args: Any) -> None:
     assert not found, f"the compiled step waits for the host: {found}"
 
 
+def multisteps_state(every_k: int, inner: Any, params: Any) -> Any:
+    """The state ``optax.MultiSteps(inner, every_k).init(params)`` would make, built without
+    calling it: the library refuses a loss scaling inside MultiSteps at its ``init``, and the
+    tests that show why still need the nesting's state."""
+    import optax
+
+    plain = optax.MultiSteps(optax.identity(), every_k_schedule=every_k).init(params)
+    return plain._replace(inner_opt_state=inner.init(params))
+
+
 def all_finite(tree: Any) -> bool:
     """Whether every element of every floating-point leaf is finite (other leaves pass)."""
     return all(

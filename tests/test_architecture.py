@@ -130,7 +130,17 @@ ORDER: list[set[str]] = [
     {"policies"},
     {"taps"},
     {"access"},
-    {"numerics", "stuck", "testing", "transform", "accumulation", "fused", "flax_utils"},
+    {
+        "numerics",
+        "stuck",
+        "testing",
+        "transform",
+        "accumulation",
+        "fused",
+        "gradients",
+        "master",
+        "flax_utils",
+    },
     {"layerwise"},
     {"diagnosis"},
     {"checkpoint"},
@@ -483,3 +493,14 @@ def test_public_names_are_where_they_were(module):
     mod = importlib.import_module(module)
     missing = [n for n in NAMES_BEFORE_THE_SPLIT[module] if not hasattr(mod, n)]
     assert not missing, f"{module} lost {missing}"
+
+
+def test_dir_of_the_package_shows_its_public_names_and_modules():
+    import lossscale_jax
+
+    shown = set(dir(lossscale_jax))
+    assert set(lossscale_jax.__all__) <= shown
+    # no import the package's __init__ made for itself, no internals
+    assert not shown & {"Any", "TYPE_CHECKING", "annotations", "importlib", "engine"}, shown
+    extra = {n for n in shown - set(lossscale_jax.__all__)}
+    assert all(f"lossscale_jax.{n}" in MODULES for n in extra), extra

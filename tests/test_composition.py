@@ -31,6 +31,7 @@ from helpers import (  # tests/ is on sys.path under pytest
     all_finite,
     assert_bits_equal,
     assert_same_on_every_device,
+    multisteps_state,
     replicate,
 )
 from hypothesis import given, settings
@@ -552,6 +553,22 @@ def test_refused_outside_wrappers(name):
     """Refused by every reader of the state: get_loss_scale_state, scale_loss, metrics,
     switch_policy, TrainState.create and LossScaleOptimizer, each naming the problem."""
     make, message = REFUSED[name]
+    if name == "MultiSteps(loss_scaling)":
+        # Refused already when built: every init around it (the Flax states' included).
+        for build in (
+            lambda: make().init(PARAMS),
+            lambda: lsj.TrainState.create(apply_fn=None, params=PARAMS, tx=make()),
+            lambda: lsj.LossScaleOptimizer(
+                nnx.Linear(2, 1, rngs=nnx.Rngs(0)), make(), wrt=nnx.Param
+            ),
+        ):
+            with pytest.raises(lsj.errors.NestingError, match=re.escape(message)):
+                build()
+        state = multisteps_state(K, _sgd_ls(), PARAMS)
+        for read in (lsj.get_loss_scale_state, lsj.metrics, lambda s: lsj.scale_loss(1.0, s)):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                read(state)
+        return
     state = make().init(PARAMS)
     readers = [
         lsj.get_loss_scale_state,

@@ -45,17 +45,21 @@ def test_saturating_threshold_comes_from_compute_dtype_for_float32_grads():
     assert not bool(lsj.check_overflow(g, "ieee"))
 
 
-def test_non_float_leaves_and_none_are_ignored():
+def test_non_float_leaves_are_not_checked_nor_unscaled_none_is_ignored():
     g = {
         "w": jnp.ones(2, jnp.float16),
         "n": None,
         "i": jnp.array([2**30], jnp.int32),
         "m": jnp.array([True]),
     }
+    # An integer cannot overflow: the check reads it as finite ...
     assert not bool(lsj.check_overflow(g, "both"))
     assert not bool(lsj.check_overflow({}, "both"))
-    out, flag = lsj.unscale_and_check(g, 4.0)
-    assert out["n"] is None and out["i"] is g["i"] and not bool(flag)
+    # ... but it cannot be unscaled either: refused, naming the leaf.
+    with pytest.raises(lsj.errors.GradientDtypeError, match=r"unscale: .*\['i'\] is int32"):
+        lsj.unscale_and_check(g, 4.0)
+    out, flag = lsj.unscale_and_check({"w": g["w"], "n": None}, 4.0)
+    assert out["n"] is None and not bool(flag)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])

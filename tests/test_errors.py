@@ -904,7 +904,79 @@ CASES += [
         TypeError,
         "localize must be a bool",
     ),
+    (
+        "gradients of an unscaled loss",
+        lambda: _wired("unscaled"),
+        ValueError,
+        "loss_scaling: the gradients given to update were computed in this step from a loss "
+        "that was never multiplied by the optimizer state's loss scale",
+    ),
+    (
+        "a loss scaled twice",
+        lambda: _wired("twice"),
+        ValueError,
+        "lsj.scale_loss was given a loss that already went through lsj.scale_loss in this step",
+    ),
+    (
+        "a scale frozen into the trace",
+        lambda: _wired("frozen"),
+        ValueError,
+        "loss_scaling: lsj.scale_loss multiplied the loss by a loss scale that is a constant of "
+        "this traced step",
+    ),
+    (
+        "an integer gradient leaf",
+        lambda: _wired("int"),
+        TypeError,
+        "loss_scaling: the gradient leaf at ['w'] is int32",
+    ),
+    (
+        "MultiSteps around loss scaling, at init",
+        lambda: optax.MultiSteps(lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale()), 2).init(
+            {"w": jnp.ones(2)}
+        ),
+        ValueError,
+        "lossscale_jax.loss_scaling is wrapped in optax.MultiSteps",
+    ),
+    (
+        "float16 parameters in torch's multi_optimizer",
+        lambda: lsj.compat.torch.multi_optimizer(
+            {"a": optax.sgd(0.1)}, lambda p: {"w": "a"}, lsj.compat.torch.GradScaler()
+        ).init({"w": jnp.ones(2, jnp.float16)}),
+        TypeError,
+        "compat.torch.multi_optimizer: the parameters ['w'] are float16",
+    ),
+    (
+        "master_weights without params",
+        lambda: lsj.master_weights(optax.sgd(0.1)).update(
+            {"w": jnp.ones(2)}, lsj.master_weights(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        ),
+        ValueError,
+        "master_weights needs params",
+    ),
 ]
+
+
+def _wired(mistake):
+    """One jitted step wired with ``mistake`` (tests/test_wiring.py has each case in full)."""
+    params = {"w": jnp.ones(2)}
+    tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale())
+    state = tx.init(params)
+
+    def loss(p):
+        return jnp.sum(p["w"] ** 2)
+
+    def step(p, s):
+        if mistake == "int":
+            return tx.update({"w": jnp.ones(2, jnp.int32)}, s, p)
+        scaled = {
+            "unscaled": loss,
+            "twice": lambda q: lsj.scale_loss(lsj.scale_loss(loss(q), s), s),
+            "frozen": lambda q: lsj.scale_loss(loss(q), state),  # the outer state
+        }[mistake]
+        return tx.update(jax.grad(scaled)(p), s, p)
+
+    return jax.jit(step)(params, state)
 
 
 # The cases that map over 8 devices (conftest.py skips them, saying so, where the default
@@ -939,7 +1011,7 @@ def test_every_error_is_in_the_table():
 # ---- Not errors: documented behaviour for unusual gradient trees. ----
 
 
-def test_integer_bool_and_float0_leaves_are_not_checked_and_pass_through():
+def test_integer_and_bool_leaves_are_refused_float0_leaves_pass():
     params = {"i": jnp.zeros(2, jnp.int32), "b": jnp.zeros(2, jnp.bool_), "w": jnp.ones(2)}
     grads = {
         "i": jnp.array([2**31 - 1, -(2**31)], jnp.int32),
@@ -948,19 +1020,22 @@ def test_integer_bool_and_float0_leaves_are_not_checked_and_pass_through():
     }
     for mode in ("ieee", "saturating", "both"):
         assert not bool(lsj.check_overflow(grads, mode))
+    # check_overflow reads them (an integer cannot overflow); an update refuses them: they
+    # would reach the inner optimizer scaled, neither unscaled nor checked.
     tx = lsj.loss_scaling(optax.identity(), lsj.StaticScale(2.0), overflow="both")
-    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
-    assert not bool(state.loss_scale.last_overflow)
-    assert updates["i"].dtype == jnp.int32 and np.asarray(updates["i"]).tolist() == [
-        2**31 - 1,
-        -(2**31),
-    ]
-    assert np.asarray(updates["b"]).tolist() == [True, False]
-    np.testing.assert_array_equal(np.asarray(updates["w"]), [0.5, 1.0])
-    # float0 gradients of integer parameters (jax.grad(..., allow_int=True)).
+    with pytest.raises(lsj.errors.GradientDtypeError, match=r"\['b'\] is bool"):
+        jax.jit(tx.update)(grads, tx.init(params), params)
+    with pytest.raises(lsj.errors.GradientDtypeError, match=r"\['i'\] is int32"):
+        jax.jit(tx.update)({**grads, "b": np.zeros(2, jax.dtypes.float0)}, tx.init(params), params)
+    with pytest.raises(lsj.errors.GradientDtypeError, match="unscale: .*int32"):
+        lsj.unscale(grads["i"], 2.0)
+    # float0 gradients of integer parameters (jax.grad(..., allow_int=True)): no value.
     g0 = jax.grad(lambda p: jnp.sum(p["w"]) * 1.0, allow_int=True)(params)
     assert g0["i"].dtype == jax.dtypes.float0
     assert not bool(lsj.check_overflow(g0, "both"))
+    updates, state = jax.jit(tx.update)(g0, tx.init(params), params)
+    assert updates["i"].dtype == jax.dtypes.float0 and not bool(state.loss_scale.last_overflow)
+    np.testing.assert_array_equal(np.asarray(updates["w"]), [0.5, 0.5])
 
 
 def test_none_leaves_and_empty_trees():

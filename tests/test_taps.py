@@ -336,18 +336,18 @@ def test_nnx_modules_tapped_by_path_and_fed_to_the_optimizer():
         model, lsj.loss_scaling(optax.sgd(0.1), lsj.HeadroomScale()), wrt=nnx.Param
     )
 
-    def loss_fn(model, sinks):
+    def loss_fn(model, sinks, opt):  # the optimizer the step receives: its scale is traced
         with lsj.taps.recording(sinks, model=model):
             out = model(x)
             loss = jnp.mean((out.astype(jnp.float32) - y) ** 2)
             return lsj.scale_loss(loss, opt.opt_state)
 
-    sinks = lsj.taps.discover(loss_fn, model, None)
+    sinks = lsj.taps.discover(loss_fn, model, None, opt)
     assert sinks.names == ("inp", "out", "NnxMLP", "loss")
 
     @nnx.jit
     def step(model, opt, sinks):
-        grads, taps = nnx.grad(loss_fn, argnums=(0, 1))(model, sinks)
+        grads, taps = nnx.grad(loss_fn, argnums=(0, 1))(model, sinks, opt)
         opt.update(model, grads, taps=taps)
         return taps
 

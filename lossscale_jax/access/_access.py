@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lossscale_jax.engine import _loss_note
+from lossscale_jax.engine import _loss_note, _wiring
 from lossscale_jax.engine._check import at_least_float32
 from lossscale_jax.engine._nesting import locate
 from lossscale_jax.engine._policy import LossScalePolicy, check_policy
@@ -233,7 +233,8 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
       >>> grads["w"].tolist()                           # scaled: tx.update divides them back
       [256.0, 256.0, 256.0]
     """
-    scale = get_loss_scale_state(state).scale
+    # The state's array (an NNX optimizer's state holds Variables; the value is the array).
+    scale = jnp.asarray(get_loss_scale_state(state).scale)
     loss = jnp.asarray(loss)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"loss must be a floating scalar, got dtype {loss.dtype}.")
@@ -241,7 +242,10 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
         raise ValueError(
             f"loss must be a scalar, got shape {loss.shape}; reduce it (e.g. mean) first."
         )
+    _wiring.refuse_scaled_twice(loss)
     dtype = at_least_float32(loss.dtype)
     _loss_note.note(scale, loss.dtype)  # the update of this step reads it (HeadroomScale)
-    loss = jnp.asarray(tap_array(loss, "loss"))  # the identity unless taps are recorded
-    return loss.astype(dtype) * scale.astype(dtype)
+    tapped = jnp.asarray(tap_array(loss, "loss"))  # the identity unless taps are recorded
+    scaled = tapped.astype(dtype) * scale.astype(dtype)
+    _wiring.scaled(loss, scale, scaled)  # the update of this step checks its wiring
+    return scaled

@@ -21,6 +21,7 @@ from lossscale_jax.engine._engine import (
     check_state,
     inner_or_skip,
 )
+from lossscale_jax.engine._landing import float16_leaves
 from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax.engine._opt_states import LossScalingState
 from lossscale_jax.engine._unscale import scale_is_bad
@@ -142,6 +143,16 @@ def multi_optimizer(
         return optax.multi_transform({k: own(k, t) for k, t in inners.items()}, param_labels)
 
     def init_fn(params: optax.Params) -> LossScalingState:
+        float16 = float16_leaves(params)
+        if float16:
+            # Its per-partition skip has no landing check (engine/_landing.py): refused.
+            raise TypeError(
+                f"compat.torch.multi_optimizer: the parameters {', '.join(float16)} are "
+                "float16; torch's "
+                "AMP keeps parameters in float32 and so does this wrapper. Keep float32 "
+                "parameters and compute in float16, or use lsj.loss_scaling("
+                "lsj.master_weights(optax.multi_transform(...)), policy)."
+            )
         inner_state = partition({}, None).init(params)
         refuse_nested_state(inner_state, "compat.torch.multi_optimizer")
         return LossScalingState(

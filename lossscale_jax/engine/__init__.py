@@ -9,7 +9,10 @@ state and its telemetry (``_state``), the policy protocol the engine calls (``_p
 (``_loss_note``), the optimizer states the front-ends keep (``_opt_states``), where a
 ``LossScaleState`` sits and the nestings refused (``_nesting``), accumulation windows
 (``_window``), hyperparameter checks (``_hyper``), exact divisions and ratios (``_division``,
-``_ratio``) and ``ClosedJaxpr`` across JAX versions (``_jaxprs``).
+``_ratio``), ``ClosedJaxpr`` across JAX versions (``_jaxprs``), the wiring check that refuses a
+step wired to train silently wrong (``_wiring``), where an update lands (``_landing``: float16
+parameters, master copies, the landing check) and the tracing internals it reads
+(``_tracers``, the one module that imports ``jax._src``).
 
 May import: ``lossscale_jax.errors`` and its own modules; it is the bottom of the package.
 Every other folder and module may import it. It exports no public name: the public names

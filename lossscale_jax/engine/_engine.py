@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale_jax.engine import _check, _devices, _loss_note, _skip, _stuck
+from lossscale_jax.engine import _check, _devices, _loss_note, _skip, _stuck, _wiring
 from lossscale_jax.engine._policy import LossScalePolicy, check_policy
 from lossscale_jax.engine._state import LossScaleState
 from lossscale_jax.engine._tap_stats import WIDTH, TapStats
@@ -144,6 +144,7 @@ class Engine:
         ``record`` (the state's previous record) only fixes the number of leaves.
         """
         _devices.check_mapped_axes(grads, self.reduced, self.local, self.mode, self.where)
+        self.check_wiring(grads, scale)
         measure = self.policy.measures_range
         amax = None
         if measure:
@@ -176,6 +177,12 @@ class Engine:
         if shared:
             flags = reduced
         return Check(found, flags if keep else None, amax)
+
+    def check_wiring(self, grads: Any, scale: jax.Array) -> None:
+        """Refuses, while the step is traced, gradients this update must not divide by
+        ``scale``: non-float leaves, and the wirings ``_wiring`` sees going wrong."""
+        _wiring.refuse_non_float(grads, self.where)
+        _wiring.check_update(grads, scale, self.where, self.policy.constant_scale)
 
     def _with_taps(
         self, taps: Any, scale: jax.Array, found: jax.Array, amax: jax.Array | None
@@ -223,6 +230,7 @@ class Engine:
           (found, amax, overflowed, flags) reduced over axis_name: one all-reduce
         """
         _devices.check_mapped_axes(grads, self.reduced, self.local, self.mode, self.where)
+        self.check_wiring(grads, scales)
         leaves = jax.tree_util.tree_leaves(grads)
         if len(leaves) != len(layers.segments):
             raise StructureError(

@@ -10,6 +10,7 @@ training (``optax.chain`` with other transformations, Optax wrappers outside).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -47,8 +48,27 @@ def refuse_nested_inner(inner: Any, where: str) -> None:
         )
 
 
+def _refuse_wrapped_init() -> None:
+    """Refuses an ``init`` called by ``optax.MultiSteps.init``: the loss scaling is inside it.
+
+    ``get_loss_scale_state`` refuses that nesting when the state is read, but a trainer that
+    never calls ``scale_loss`` (its own accumulation wraps the optimizer it was given) would
+    not read it. The few frames above ``init`` tell, when the state is built. Called from
+    ``refuse_nested_state``, itself called by a front-end's ``init``.
+    """
+    frame = sys._getframe(3)
+    for _ in range(_CALLERS):
+        if frame is None:
+            return
+        if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
+            raise NestingError(_WRAPPED["MultiStepsState"])
+        frame = frame.f_back
+
+
 def refuse_nested_state(inner_state: Any, where: str) -> None:
-    """Refuses an inner state that holds a loss-scale state or an optax.MultiSteps state."""
+    """Refuses an inner state that holds a loss-scale state or an optax.MultiSteps state, and
+    an ``init`` called by ``optax.MultiSteps`` (the front-end's ``init`` calls this)."""
+    _refuse_wrapped_init()
 
     def marked(x: Any) -> bool:
         return isinstance(x, LossScaleState | optax.MultiStepsState)
@@ -71,6 +91,9 @@ def refuse_nested_state(inner_state: Any, where: str) -> None:
                 "every_k=k)."
             )
 
+
+# How many frames above a transformation's init refuse_wrapped_init looks at.
+_CALLERS = 8
 
 _INSIDE_CHAIN = (
     "lossscale_jax.loss_scaling is one of {n} transformations in an optax.chain (a tuple "

@@ -160,6 +160,19 @@ class LayerwiseScalingState(NamedTuple):
     window: LayerWindow | None = None
 
 
+class MasterWeightsState(NamedTuple):
+    """State of :func:`master_weights`: float32 master copies and the inner optimizer's state.
+
+    Attributes:
+      master: the parameters' float32 copies where a parameter is narrower (float16,
+        bfloat16), ``None`` at every other leaf (a float32 parameter is its own master).
+      inner_state: the inner transformation's state (it runs on the master copies).
+    """
+
+    master: optax.Params
+    inner_state: optax.OptState
+
+
 #: The states whose ``loss_scale`` field is the ``LossScaleState`` of a transformation.
 OWNER_TYPES: tuple[type, ...] = (
     LossScalingState,

@@ -58,6 +58,14 @@ class LossScalePolicy(abc.ABC):
     #: measures it (in the same pass, the same collective) only for such a policy.
     measures_range: ClassVar[bool] = False
 
+    @property
+    def constant_scale(self) -> float | None:
+        """The scale, if this policy never moves it (``NoScale``: 1.0, ``StaticScale(s)``:
+        ``s``); ``None`` for a policy that adjusts it. The wiring check reads it: it does not
+        ask a scale of 1 to be applied, nor a constant one to be read from the step's state.
+        """
+        return None
+
     @abc.abstractmethod
     def init(self) -> LossScaleState:
         """A fresh state at the policy's starting scale, every counter at zero."""

@@ -14,6 +14,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from lossscale_jax.engine._check import at_least_float32, is_float
+from lossscale_jax.engine._wiring import refuse_non_float
 
 
 def unscaled_dtype(g: jax.Array, p: Any) -> Any:
@@ -79,7 +80,9 @@ def inverse(scale: ArrayLike) -> jax.Array:
 
 
 def unscale_tree(grads: Any, scale: ArrayLike, params: Any = None) -> Any:
-    """Every floating leaf of ``grads`` divided by ``scale`` (see ``numerics.unscale``)."""
+    """Every floating leaf of ``grads`` divided by ``scale`` (see ``numerics.unscale``); an
+    integer or bool leaf is refused (``_wiring.refuse_non_float``)."""
+    refuse_non_float(grads, "unscale")
     inv = inverse(scale)
     if params is None:
         return jax.tree_util.tree_map(lambda g: unscale_leaf(g, inv), grads)

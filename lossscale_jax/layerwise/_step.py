@@ -25,6 +25,7 @@ from lossscale_jax.engine._engine import (
     inner_or_skip,
     skip_updates,
 )
+from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import refuse_nested_state
 from lossscale_jax.engine._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
 from lossscale_jax.engine._state import LossScaleState, initial_state, record_step
@@ -72,6 +73,7 @@ class LayerwiseStep:
         n, engine = self.n, self.engine
         inner_state = self.inner.init(params)
         refuse_nested_state(inner_state, "layerwise_scaling")
+        warn_float16_inner(params, inner_state, "layerwise_scaling")
         one = self.policy.init()
         seg = LayerScales(
             scale=jnp.full([n + 1], one.scale, jnp.float32),
@@ -146,13 +148,19 @@ class LayerwiseStep:
         taps = extra_args.pop("taps", None)
         scales = state.layers.scale
         check = engine.check_layers(grads, scales, self.layers, taps)
+        targets = unscale_targets(params, state.inner_state)
+
+        def inner_update(g: Any, inner_state: Any, p: Any = params) -> Any:
+            return inner.update(self.unscale(g, scales, targets), inner_state, p, **extra_args)
+
+        # float16 parameters: the update is computed first, and where it lands is checked
+        # (a landing overflow backs off the loss's segment).
+        check, landed = land_first(engine, check, params, inner_update, grads, state.inner_state)
         loss_scale, new_layers, apply = self.decide(state, check)
 
         def good(operands: Any) -> Any:
             g, inner_state, p = operands
-            updates, inner_state = inner.update(
-                self.unscale(g, scales, p), inner_state, p, **extra_args
-            )
+            updates, inner_state = landed(g, inner_state, p)
             return (optax.apply_updates(p, updates) if fused else updates), inner_state
 
         operands = (grads, state.inner_state, params)
@@ -177,7 +185,7 @@ class LayerwiseStep:
         this = engine.check_layers(grads, scales, self.layers, taps)
         so_far = Check(win.overflow, win.leaf_overflow, win.amax, win.segments)
         window = engine.fold(so_far, this)
-        unscaled = self.unscale(grads, scales, params)
+        unscaled = self.unscale(grads, scales, unscale_targets(params, state.inner_state))
         acc = add_good(win.acc_grads, unscaled, this.overflow)
 
         def inner_update(g: Any, inner_state: Any) -> Any:
@@ -185,7 +193,11 @@ class LayerwiseStep:
 
         shapes = jax.eval_shape(inner_update, mean_of(acc, unscaled, every_k), state.inner_state)
         at_end = win.mini_step >= every_k - 1
-        loss_scale, new_layers, apply = self.decide(state, window, when=at_end)
+        mean = mean_of(acc, unscaled, every_k)
+        decided, inner_update = land_first(
+            engine, window, params, inner_update, mean, state.inner_state, at_end
+        )
+        loss_scale, new_layers, apply = self.decide(state, decided, when=at_end)
 
         def finish(acc_tree: Any) -> Any:
             mean = mean_of(acc_tree, unscaled, every_k)
@@ -194,7 +206,7 @@ class LayerwiseStep:
             )
             fresh = self.empty_window(acc_tree, cleared(window.flags))
             return updates, LayerwiseScalingState(
-                loss_scale, new_layers, inner_state, window.flags, fresh
+                loss_scale, new_layers, inner_state, decided.flags, fresh
             )
 
         def accumulate(acc_tree: Any) -> Any:

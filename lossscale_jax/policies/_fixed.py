@@ -47,6 +47,10 @@ class NoScale(LossScalePolicy):
             self, skip_on_overflow=_hyper.check_bool("skip_on_overflow", self.skip_on_overflow)
         )
 
+    @property
+    def constant_scale(self) -> float:
+        return 1.0
+
     def init(self) -> LossScaleState:
         return initial_state(1.0)
 
@@ -94,6 +98,10 @@ class StaticScale(LossScalePolicy):
             scale=_hyper.check_positive_finite("scale", self.scale),
             skip_on_overflow=_hyper.check_bool("skip_on_overflow", self.skip_on_overflow),
         )
+
+    @property
+    def constant_scale(self) -> float:
+        return self.scale
 
     def init(self) -> LossScaleState:
         return initial_state(self.scale)
