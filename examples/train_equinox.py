@@ -130,9 +130,7 @@ def train_lsj(dtype, policy, keep_state: bool, data, eval_data):
         params, opt_state = lsj.apply_gradients(tx, grads, opt_state, params)
         m = lsj.metrics(opt_state)
         if keep_state:  # a skipped step's forward pass may have written inf or nan
-            new_state = jax.tree_util.tree_map(
-                lambda old, new: jnp.where(m["skipped"], old, new), state, new_state
-            )
+            new_state = lsj.rollback_if_skipped(opt_state, state, new_state)
         return params, new_state, opt_state, m["loss_scale"], m["skipped"]
 
     rows = []

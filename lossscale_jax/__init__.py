@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from lossscale_jax import errors, layerwise, taps, testing
+from lossscale_jax.access._rollback import rollback_if_skipped
 from lossscale_jax.accumulation import LossScalingMultiStepsState, loss_scaling_multi_steps
 from lossscale_jax.checkpoint import (
     _flax_serialization,
@@ -130,6 +131,7 @@ __all__ = [
     "reduce_overflow",
     "restore_flax",
     "restore_orbax",
+    "rollback_if_skipped",
     "scale_loss",
     "set_loss_scale_state",
     "switch_policy",

@@ -22,13 +22,12 @@ import optax
 from flax import nnx, struct
 from flax.training import train_state
 
+from lossscale_jax.access._rollback import keep_where, outcome
 from lossscale_jax.engine._engine import engine_of
-from lossscale_jax.engine._nesting import locate
 from lossscale_jax.engine._opt_states import (
     LayerwiseScalingState,
     LossScalingState,
     StepOutcome,
-    step_outcome,
 )
 from lossscale_jax.errors import NestingError, StateNotFoundError
 from lossscale_jax.fused import apply_gradients
@@ -39,21 +38,9 @@ FUSED_STATES = (LossScalingState, LayerwiseScalingState)
 __all__ = ["LossScaleOptimizer", "TrainState"]
 
 
-def _outcome(opt_state: Any) -> StepOutcome:
-    """What the update that produced ``opt_state`` did (see ``step_outcome``)."""
-    _, owner = locate(opt_state)
-    outcome = step_outcome(owner)
-    if outcome is None:
-        raise StateNotFoundError(
-            "the optimizer state holds a bare LossScaleState, not the state of "
-            "lossscale_jax.loss_scaling or loss_scaling_multi_steps: build tx with one of them."
-        )
-    return outcome
-
-
 def _check_loss_scaled(opt_state: Any, where: str) -> None:
     try:
-        _outcome(opt_state)
+        outcome(opt_state)
     except StateNotFoundError as e:
         raise StateNotFoundError(
             f"{where}: tx must contain exactly one lossscale_jax.loss_scaling(...) "
@@ -84,7 +71,7 @@ def _apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra_a
     else:
         updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
         new_params = optax.apply_updates(params, updates)
-    return new_params, new_opt_state, _outcome(new_opt_state)
+    return new_params, new_opt_state, outcome(new_opt_state)
 
 
 def _advance(step: Any, outcome: StepOutcome, count_skipped: bool) -> jax.Array:
@@ -93,18 +80,6 @@ def _advance(step: Any, outcome: StepOutcome, count_skipped: bool) -> jax.Array:
     one = jnp.ones([], step.dtype)
     counts = outcome.completed if count_skipped else outcome.applied
     return jnp.where(counts, step + one, step)
-
-
-def _keep_if_skipped(name: str, skipped: jax.Array, old: Any, new: Any) -> Any:
-    old_def = jax.tree_util.tree_structure(old)
-    new_def = jax.tree_util.tree_structure(new)
-    if old_def != new_def:
-        raise ValueError(
-            f"{name}: cannot roll back on a skipped step, the new value's structure "
-            f"{new_def} differs from the stored one {old_def}. Create the state with an "
-            f"initial {name} (or pass rollback_on_skip=False)."
-        )
-    return jax.tree_util.tree_map(lambda o, n: jnp.where(skipped, o, n), old, new)
 
 
 class TrainState(train_state.TrainState):
@@ -188,9 +163,7 @@ class TrainState(train_state.TrainState):
                 if f.metadata.get("pytree_node", True)
             }
             kwargs = {
-                k: _keep_if_skipped(k, outcome.discard, getattr(self, k), v)
-                if k in pytree_fields
-                else v
+                k: keep_where(k, outcome.discard, getattr(self, k), v) if k in pytree_fields else v
                 for k, v in kwargs.items()
             }
         return self.replace(
@@ -317,7 +290,7 @@ class LossScaleOptimizer(nnx.Optimizer[Any]):
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         if rollback is not None:
-            kept = _keep_if_skipped("rollback", outcome.discard, rollback, self.snapshot(model))
+            kept = keep_where("rollback", outcome.discard, rollback, self.snapshot(model))
             nnx.update(model, kept)
         self.step[...] = _advance(self.step[...], outcome, self.count_skipped_steps)
         return new_params

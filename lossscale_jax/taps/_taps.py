@@ -186,10 +186,10 @@ def value_and_grad(
       >>> import jax, jax.numpy as jnp, optax
       >>> import lossscale_jax as lsj
       >>> tx = lsj.loss_scaling(optax.sgd(0.1), lsj.HeadroomScale())
-      >>> params = {"w": jnp.ones((2, 2), jnp.float16)}
+      >>> params = {"w": jnp.ones((2, 2))}                  # float32 master weights
       >>> opt_state = tx.init(params)
       >>> def loss_fn(p):                                   # a float16 loss
-      ...     return lsj.scale_loss(jnp.sum(p["w"] ** 2), opt_state)
+      ...     return lsj.scale_loss(jnp.sum(p["w"].astype(jnp.float16) ** 2), opt_state)
       >>> loss, grads, taps = lsj.taps.value_and_grad(loss_fn)(params)
       >>> taps.names                                        # the loss, tapped by scale_loss
       ('loss',)
