@@ -9,8 +9,10 @@ tool, run before training (it is not part of a step); its computation is jitted.
 
 Holds: ``_diagnose`` (``diagnose`` and its passes), ``_report`` (``Diagnosis``,
 ``LeafDiagnosis``, the verdicts, the table), ``_localizer`` (the per-tap rows,
-``TapDiagnosis``, and the verdict that names the layer) and ``_plot`` (``Diagnosis.plot``; the
-only module that imports matplotlib, on first use).
+``TapDiagnosis``, the modules' input taps, and the verdict that names the layer or the code
+between two taps), ``_constants`` (the constants the float16 program holds as inf, such as a
+``jnp.where`` mask of -1e9: the verdict's fix) and ``_plot`` (``Diagnosis.plot``; the only
+module that imports matplotlib, on first use).
 
 May import: what lies below it in the package's order (``engine``, ``policies``, ``taps``,
 ``access``, the front-end modules, ``layerwise``) and ``errors``.

@@ -6,6 +6,7 @@ Re-exported by ``lossscale_jax.diagnosis`` (its docstring tells the whole story)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale_jax import numerics
-from lossscale_jax.diagnosis import _localizer, _report
+from lossscale_jax.diagnosis import _constants, _localizer, _report
 from lossscale_jax.diagnosis._report import (
     _N_BINS,
     LOG2_MIN,
@@ -216,9 +217,13 @@ def diagnose(
       localize: for a model with taps (Flax Linen modules, ``lsj.tap`` calls,
         ``lsj.scale_loss``), report per tap in forward order the float16 and
         float32 activation maxima and the activation gradient's underflow
-        (``Diagnosis.taps``), and name in the verdict the first module whose
-        float16 output leaves the range and where the backward gradients start
-        to underflow. Three more passes per batch; ``False`` skips them.
+        (``Diagnosis.taps``), and name in the verdict where the float16 forward
+        pass first leaves the range (a module's output, or, the Linen modules'
+        inputs being tapped too, the code between two modules) and where the
+        backward gradients start to underflow. Three more passes per batch;
+        ``False`` skips them. Whenever the float16 forward pass is not finite,
+        the verdict also names a ``jnp.where`` whose constant float16 cannot
+        hold (a mask of -1e9 becomes -inf), with the fix.
       modules: which Flax Linen modules the localizer taps (as
         ``lsj.taps.recording``: all, none, or a predicate on module instances).
 
@@ -310,8 +315,16 @@ def diagnose(
         tolerance,
         False,
     )
+
+    @functools.cache
+    def note() -> str:  # a constant the float16 program holds as inf (one more trace)
+        return _constants.advice(_constants.out_of_range(loss_fn, (params, batches[0]), low), low)
+
     if localize:
-        report = _localize(report, loss_fn, reference, params, batches, threshold, modules)
+        report = _localize(report, loss_fn, reference, params, batches, threshold, modules, note)
+    if not report.loss_finite and not report.taps and note():
+        verdict = _localizer.verdict(report.verdict, False, (), report.tolerance, note=note())
+        report = dataclasses.replace(report, verdict=verdict)
     if print_table:
         print(report.table())
     return report
@@ -325,12 +338,19 @@ def _localize(
     batches: list[Any],
     threshold: float,
     modules: Any,
+    note: Callable[[], str],
 ) -> Diagnosis:
-    """``report`` with the localizer's rows and verdict (unchanged for a model without taps)."""
+    """``report`` with the localizer's rows and verdict (unchanged for a model without taps).
+
+    The passes tap the Flax Linen modules' inputs too (``_localizer.with_inputs``): where a
+    module's input is already out of range, the overflow is in the code before it."""
+    select = validate_modules(modules)
+    callers: dict[str, str | None] = {}
+    loss_fn = _localizer.with_inputs(loss_fn, select, callers)
+    reference = _localizer.with_inputs(reference, select, callers)
     sinks = discover(loss_fn, params, batches[0], modules=modules)
     if not len(sinks):
         return report
-    select = validate_modules(modules)
     low = _localizer.stats_fn(loss_fn, sinks, select)
     ref = _localizer.stats_fn(reference, sinks, select)
     one = jnp.float32(1.0)
@@ -341,6 +361,7 @@ def _localize(
         s = jnp.float32(report.recommended_scale)
         at = [np.asarray(jax.device_get(ref(params, b, s))) for b in batches]
     taps = _localizer.rows(sinks.names, stats_low, stats_ref, at, threshold)
+    hot = _localizer.first_overflow(sinks.names, stats_low, stats_ref, threshold, callers)
     return dataclasses.replace(
         report,
         taps=taps,
@@ -350,6 +371,8 @@ def _localize(
             taps,
             report.tolerance,
             scaling_needed=report.verdict != _report.NO_SCALING,
+            hot=hot,
+            note=note() if hot is not None or not report.loss_finite else "",
         ),
     )
 
