@@ -1,11 +1,12 @@
 """HeadroomScale on a model whose loss is float16: with and without taps, against DynamicScale.
 
-The model is ``blind_spot.py``'s (the fault soak's MLP: tanh, MSE, computed in float16 from
-float32 master weights, Adam 1e-3). Its loss is float16, so the cotangent of the loss *is*
-the scale: 2**16 overflows it whatever the parameter gradients say, and they say the room is
-2**20 or more. Every step also measures the real ceiling ``c``: the largest power of two
-``2**e`` (``e`` in 0..40) at which this step's float16 backward pass gives finite gradients
-(all 41 scales in one ``vmap``, on the step's own weights and batch, before the update).
+The model is the fault-injection soak's MLP (``tests/soak/fault_soak.py``: tanh, MSE,
+computed in float16 from float32 master weights, Adam 1e-3). Its loss is float16, so the
+cotangent of the loss *is* the scale: 2**16 overflows it whatever the parameter gradients say,
+and they say the room is 2**20 or more. Every step also measures the real ceiling ``c``: the
+largest power of two ``2**e`` (``e`` in 0..40) at which this step's float16 backward pass gives
+finite gradients (all 41 scales in one ``vmap``, on the step's own weights and batch, before the
+update).
 
 Rows (1,500 steps each, one ``lax.scan`` per row):
 
@@ -18,13 +19,16 @@ Per row: skipped steps, the share of steps whose scale is within 3 octaves below
 (``c - 3 <= log2 scale <= c``), the share 4 or more octaves below it, and the final scale.
 
 Two settings (``SETTINGS``), 3 seeds each. Run: ``python experiments/headroom/float16_loss.py``
-(about 2 minutes on 2 CPU cores); the table is ``results/float16_loss.md``.
+(about 2 minutes on 2 CPU cores); the table is ``results/float16_loss.md``. Small (what
+``tests/test_experiments.py`` runs, seconds): ``--seeds 1 --settings small --exponents 10-20``
+(the ceiling is 2**15, so probing 2**10..2**20 finds the same one).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -138,26 +142,60 @@ ROWS = {
 }
 
 
-def main(steps: int = 1500, seeds: tuple[int, ...] = (0, 1, 2)) -> dict[str, dict]:
-    results = {
-        f"{setting}/{name}/seed{seed}": run(make(), taps, steps, seed, setting)
-        for setting in SETTINGS
-        for seed in seeds
-        for name, (make, taps) in ROWS.items()
-    }
-    print(
+def table(results: dict[str, dict]) -> list[str]:
+    """The rows' markdown table (``results/float16_loss.md``), one string per line."""
+    lines = [
         "| setting / row / seed | skipped | within 3 octaves of the ceiling "
-        "| 4+ octaves below | final scale |"
-    )
-    print("|---|---:|---:|---:|---:|")
+        "| 4+ octaves below | final scale |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
-        print(
+        lines.append(
             f"| {name} | {r['skipped']} | {r['within_3_octaves']:.1%} | "
             f"{r['4_or_more_below']:.1%} | 2^{r['final_scale_log2']:.0f} |"
         )
+    return lines
+
+
+def main(
+    steps: int = 1500,
+    seeds: Sequence[int] = (0, 1, 2),
+    settings: Sequence[str] = tuple(SETTINGS),
+    exponents: jax.Array = EXPONENTS,
+) -> dict[str, dict]:
+    """Every (setting, seed, row); prints the table and returns the rows by name."""
+    results = {
+        f"{setting}/{name}/seed{seed}": run(make(), taps, steps, seed, setting, exponents)
+        for setting in settings
+        for seed in seeds
+        for name, (make, taps) in ROWS.items()
+    }
+    print("\n".join(table(results)))
     return results
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated")
+    p.add_argument(
+        "--exponents", default="0-40", help="the probed scales' exponents, LO-HI (inclusive)"
+    )
+    a = p.parse_args(argv)
+    unknown = set(a.settings.split(",")) - set(SETTINGS)
+    if unknown:
+        p.error(f"--settings: unknown {sorted(unknown)}; known: {', '.join(SETTINGS)}")
+    return a
+
+
 if __name__ == "__main__":
-    out = main(int(sys.argv[1]) if len(sys.argv) > 1 else 1500)
+    a = parse_args()
+    lo, hi = (int(e) for e in a.exponents.split("-"))
+    out = main(
+        a.steps,
+        [int(seed) for seed in a.seeds.split(",")],
+        a.settings.split(","),
+        jnp.arange(lo, hi + 1, dtype=jnp.float32),
+    )
     print(json.dumps(out, indent=1))

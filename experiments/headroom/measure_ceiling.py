@@ -18,9 +18,14 @@ those at scale 1: ``c`` is found by taking the gradient at eight consecutive pow
 one batched call (``jax.vmap`` over the scale; the forward pass is shared). ``--validate``
 re-checks ``c`` and ``c + 1`` with the job's own (unbatched) jitted gradient function.
 
-Output: one JSON line per row (setting, seed) with per-probe arrays; a summary on stdout.
+Output: one JSON line per row (setting, seed) with per-probe arrays, a line per row on stdout,
+then the table per setting (``summarize``, ``format_table``); ``--summarize FILE`` prints the
+table of a file already measured.
 
-Run: ``python experiments/headroom/measure_ceiling.py --out /tmp/ceiling.json``
+Run: ``python experiments/headroom/measure_ceiling.py --every 2 --validate 10 --out
+/tmp/ceiling.json`` (250 steps, 3 seeds, both settings: ``results/ceiling.json``). Small (what
+``tests/test_experiments.py`` runs, seconds): ``--steps 6 --seeds 1 --every 2 --settings mean
+--validate 1``; ``--summarize results/ceiling.json`` prints README.md's section-1 table.
 """
 
 from __future__ import annotations
@@ -87,7 +92,70 @@ def ceiling(probe, args, top: int) -> tuple[int, float]:
     raise RuntimeError("no ceiling found")
 
 
-def main(argv=None) -> None:
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    """Per setting, over the probes of every row (seed) of the file: the section-1 table.
+
+    ``c_eq_h``/``c_eq_h_minus_1``/``other``: probes whose ceiling is the room the parameter
+    gradients show, one octave below it, or anything else; ``amax_at_ceiling``: (min,
+    median) of ``m * 2**c / 65504``; ``first_overflow_gap``: the largest ``log2(65504 / m) -
+    (c + 1)``, octaves between the measured room and the first scale that overflows;
+    ``dynamic_below``: the mean of ``c - log2 scale`` over the probed steps the job's
+    ``DynamicScale`` did not skip; ``validated``/``invalid``: the probes re-checked with the
+    unbatched step, and those where it disagreed.
+    """
+    out: dict[str, dict] = {}
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        rs = [r for r in rows if r["setting"] == setting]
+        h = np.concatenate([r["h"] for r in rs])
+        c = np.concatenate([r["c"] for r in rs])
+        m = np.concatenate([r["m"] for r in rs])
+        h_real = np.concatenate([r["h_real"] for r in rs])
+        below = []
+        for r in rs:
+            at = np.asarray(r["step"])
+            used = np.log2(np.asarray(r["scale"]))[at]
+            below.append((np.asarray(r["c"]) - used)[~np.asarray(r["skipped"])[at]])
+        checked = [v for r in rs for v in r["valid"] if v is not None]
+        amax = m * np.exp2(c) / F16_MAX
+        out[setting] = dict(
+            rows=len(rs),
+            probes=int(c.size),
+            c_eq_h=int(np.sum(c == h)),
+            c_eq_h_minus_1=int(np.sum(c == h - 1)),
+            other=int(np.sum((c < h - 1) | (c > h))),
+            amax_at_ceiling=(float(amax.min()), float(np.median(amax))),
+            first_overflow_gap=float(np.max(h_real - (c + 1))),
+            dynamic_below=float(np.mean(np.concatenate(below))),
+            skipped=int(sum(sum(r["skipped"]) for r in rs)),
+            validated=len(checked),
+            invalid=checked.count(False),
+        )
+    return out
+
+
+def format_table(summary: dict[str, dict]) -> str:
+    """The section-1 table of ``README.md`` (markdown)."""
+    lines = [
+        "| setting | probes | `c == h` | `c == h - 1` | `c < h - 1` or `c > h` "
+        "| scaled parameter amax at the ceiling, / 65504 (min, median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        n = s["probes"]
+        lines.append(
+            f"| {name} | {n} | {s['c_eq_h']} ({s['c_eq_h'] / n:.1%}) | "
+            f"{s['c_eq_h_minus_1']} ({s['c_eq_h_minus_1'] / n:.1%}) | {s['other']} | "
+            f"{s['amax_at_ceiling'][0]:.2f}, {s['amax_at_ceiling'][1]:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def read_rows(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv=None) -> dict[str, dict]:
+    """Measures (``--out``) or reads (``--summarize``) the rows; prints and returns the table."""
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=gpt.STEPS)
     p.add_argument("--seeds", type=int, default=3)
@@ -96,8 +164,16 @@ def main(argv=None) -> None:
         "--validate", type=int, default=0, help="check c with the unbatched step every N probes"
     )
     p.add_argument("--settings", default="mean,update_2^19")
-    p.add_argument("--out", type=pathlib.Path, required=True)
+    out_or_file = p.add_mutually_exclusive_group(required=True)
+    out_or_file.add_argument("--out", type=pathlib.Path, help="JSON lines to write")
+    out_or_file.add_argument(
+        "--summarize", type=pathlib.Path, help="only print the table of this measured file"
+    )
     a = p.parse_args(argv)
+    if a.summarize is not None:
+        summary = summarize(read_rows(a.summarize))
+        print(format_table(summary))
+        return summary
 
     corpus = gpt.load_corpus()
     vocab = corpus.vocab_size
@@ -159,6 +235,10 @@ def main(argv=None) -> None:
                 f"{time.time() - t0:.0f} s",
                 flush=True,
             )
+    out.close()
+    summary = summarize(read_rows(a.out))
+    print(format_table(summary))
+    return summary
 
 
 if __name__ == "__main__":
