@@ -22,7 +22,7 @@ STAMP := $(VENV)/.installed-stamp
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: demo test test-select test-fast test-floor test-gpu lint typecheck clean docs docs-outputs doctest dist
+.PHONY: demo test test-select test-fast test-floor test-tunix test-gpu lint typecheck clean docs docs-outputs doctest dist
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@for name in $(or $(PYTHON),$(PYTHONS)); do \
@@ -67,6 +67,16 @@ FLOOR_PYTHON ?= python3.11
 test-floor:
 	$(MAKE) test-fast PYTHON=$(FLOOR_PYTHON) VENV=.venv-floor \
 		CONSTRAINTS=.ci/floor-constraints.txt EXTRAS=test,examples
+
+# The Tunix integration (lossscale_jax[tunix]: google-tunix pulls about 90 packages, 1.2 GB) in
+# a venv of its own, on the newest Python: its tests, the example's included
+# (tests/test_integration_tunix.py; make test skips them where Tunix is not installed, saying
+# so). CI runs it in the newest leg.
+TUNIX_VENV ?= .venv-tunix
+test-tunix:
+	$(MAKE) $(TUNIX_VENV)/.installed-stamp VENV=$(TUNIX_VENV) EXTRAS=test,tunix
+	$(TUNIX_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load \
+		tests/test_integration_tunix.py "tests/test_docs.py::test_code_blocks_run[rl.md]"
 
 # The whole suite on JAX's default accelerator, in the environment's own Python (no .venv:
 # the machine's JAX has CUDA; pip install -e . --no-deps, jmp==0.0.4 and the test extras

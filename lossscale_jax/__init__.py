@@ -55,7 +55,7 @@ from lossscale_jax.transform import (
 )
 
 if _TYPE_CHECKING:
-    from lossscale_jax import compat
+    from lossscale_jax import compat, presets
     from lossscale_jax.flax_utils import LossScaleOptimizer, TrainState
 
 #: The version of this release, read by the build backend (pyproject.toml).
@@ -70,6 +70,7 @@ _LAZY = {
     "LossScaleOptimizer": ("lossscale_jax.flax_utils", "LossScaleOptimizer"),
     "TrainState": ("lossscale_jax.flax_utils", "TrainState"),
     "compat": ("lossscale_jax.compat", None),
+    "presets": ("lossscale_jax.presets", None),
 }
 
 
@@ -128,6 +129,7 @@ __all__ = [
     "master_weights",
     "metrics",
     "overflowed_leaves",
+    "presets",
     "reduce_overflow",
     "restore_flax",
     "restore_orbax",

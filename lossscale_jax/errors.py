@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointVersionError",
     "Float16OptimizerWarning",
     "GradientDtypeError",
+    "IntegrationError",
     "LossScalingError",
     "NestingError",
     "NotAPolicyError",
@@ -86,6 +87,11 @@ class WiringError(LossScalingError, ValueError):
     """A step wired so that it would train silently wrong, seen while it is traced: the
     gradients of a loss that was never scaled, a loss scaled twice, a loss scale frozen into
     the trace (docs/errors.md says what the check sees and what it cannot)."""
+
+
+class IntegrationError(LossScalingError, RuntimeError):
+    """An integration (``lossscale_jax.integrations``) given a framework version it was not
+    tested with, an object of the framework it does not know, or a framework not installed."""
 
 
 class GradientDtypeError(WiringError, TypeError):

@@ -145,6 +145,8 @@ ORDER: list[set[str]] = [
     {"diagnosis"},
     {"checkpoint"},
     {"compat"},
+    {"presets"},
+    {"integrations"},
 ]
 FOLDERS = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
 
@@ -167,7 +169,17 @@ def test_every_part_of_the_package_has_a_floor():
 def test_the_folders_are_the_parts_by_topic():
     # What a newcomer listing lossscale_jax/ sees: the folders, and the public entry modules.
     assert FOLDERS == sorted(
-        ["access", "checkpoint", "compat", "diagnosis", "engine", "layerwise", "policies", "taps"]
+        [
+            "access",
+            "checkpoint",
+            "compat",
+            "diagnosis",
+            "engine",
+            "integrations",
+            "layerwise",
+            "policies",
+            "taps",
+        ]
     )
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert all(not n.startswith("_") or n == "__init__.py" for n in loose), loose
@@ -223,9 +235,33 @@ def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
 @pytest.mark.parametrize(
     "package,allowed",
     [
-        ("flax", {"lossscale_jax.flax_utils", "lossscale_jax.checkpoint._checkpoint"}),
-        ("orbax", {"lossscale_jax.checkpoint._checkpoint"}),
+        (
+            "flax",
+            {
+                "lossscale_jax.flax_utils",
+                "lossscale_jax.checkpoint._checkpoint",
+                "lossscale_jax.integrations.tunix",
+                "lossscale_jax.integrations._tunix_models",
+                "lossscale_jax.integrations._tunix_step",
+                "lossscale_jax.integrations._tunix_mismatch",
+            },
+        ),
+        (
+            "orbax",
+            {
+                "lossscale_jax.checkpoint._checkpoint",
+                "lossscale_jax.integrations._tunix_checkpoint",
+            },
+        ),
         ("matplotlib", {"lossscale_jax.diagnosis._plot"}),
+        (
+            "tunix",
+            {
+                "lossscale_jax.integrations.tunix",
+                "lossscale_jax.integrations._tunix_checkpoint",
+                "lossscale_jax.integrations._tunix_mismatch",
+            },
+        ),
         (
             "equinox",
             {

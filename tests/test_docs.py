@@ -7,6 +7,7 @@ the first, ``+`` only in the second, `` `` in both): both programs run, each on 
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 
@@ -34,14 +35,23 @@ def test_pages_have_code():
 # devices on a CPU-only machine): skipped, with the reason, where the backend has fewer
 # (conftest.py; make test-gpu on a one-GPU machine).
 MULTIDEVICE_PAGES = ("data_parallel.md",)
+# Pages whose blocks run a program of an optional integration: skipped, with the reason, where
+# it is not installed (make test-tunix runs them in its venv).
+TUNIX_PAGES = ("rl.md",)
+HAVE_TUNIX = importlib.util.find_spec("tunix") is not None
+
+
+def _marks(page: pathlib.Path) -> list:
+    marks = [pytest.mark.multidevice(8)] if page.name in MULTIDEVICE_PAGES else []
+    if page.name in TUNIX_PAGES:
+        reason = "needs google-tunix (an optional integration: make test-tunix runs it)"
+        marks.append(pytest.mark.skipif(not HAVE_TUNIX, reason=reason))
+    return marks
 
 
 @pytest.mark.parametrize(
     "page",
-    [
-        pytest.param(p, marks=[pytest.mark.multidevice(8)] if p.name in MULTIDEVICE_PAGES else [])
-        for p in PAGES
-    ],
+    [pytest.param(p, marks=_marks(p)) for p in PAGES],
     ids=lambda p: p.name,
 )
 def test_code_blocks_run(page):

@@ -252,7 +252,7 @@ def _public_paths() -> set[str]:
     """Every public name the API reference must show, computed from the package."""
     paths = {f"lossscale_jax.{n}" for n in lossscale_jax.__all__}
     # pages of their own
-    own_pages = ("compat", "testing", "errors", "taps", "layerwise")
+    own_pages = ("compat", "testing", "errors", "taps", "layerwise", "presets")
     paths -= {f"lossscale_jax.{n}" for n in own_pages}
     paths |= {f"lossscale_jax.taps.{n}" for n in lossscale_jax.taps.__all__}
     paths |= {f"lossscale_jax.layerwise.{n}" for n in lossscale_jax.layerwise.__all__}
@@ -265,6 +265,7 @@ def _public_paths() -> set[str]:
         )
         paths |= {f"lossscale_jax.compat.{namespace}.{m}" for m in members}
     paths |= {f"lossscale_jax.testing.{n}" for n in testing.__all__}
+    paths |= {f"lossscale_jax.presets.{n}" for n in lossscale_jax.presets.__all__}
     paths |= {f"lossscale_jax.errors.{n}" for n in lossscale_jax.errors.__all__}
     for name in lossscale_jax.__all__:
         obj = getattr(lossscale_jax, name)

@@ -30,7 +30,7 @@ from lossscale_jax.taps._upcast import INLINE_CALLS
 _SAME_VALUES = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
 _MAX_VALUES = 64  # distinct values tracked per constant: a larger table is no mask constant
 _LIBRARIES = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (jax, np) if getattr(m, "__file__", None)
+    os.path.dirname(path) + os.sep for path in (jax.__file__, np.__file__) if path is not None
 )
 
 

@@ -1,0 +1,100 @@
+"""float16 compute for Tunix's models: the attention mask constant, the compute dtype.
+
+Every Tunix model masks attention with ``jnp.where(mask, scores, K_MASK)``, ``K_MASK =
+-2.3819763e38``, a module constant read when the attention is traced. In float16 that
+constant is ``-inf``, and a query row whose keys are all padding (every left-padded sequence
+has them) is ``softmax(all -inf) = nan``, which spreads to the whole batch at the next layer:
+float16 is nan from step 0, before loss scaling matters. :func:`patch_mask_constants` sets
+it to float16's lowest finite value in every loaded ``tunix.models`` module (a masked entry
+still contributes exactly 0 after ``exp``, in every dtype). A function traced before the
+patch keeps the old constant, so JAX's caches are cleared when it changes.
+
+Qwen2, Qwen3 (0.1.7) and Gemma4 compute in ``config.dtype`` with float32 parameters;
+:func:`set_compute_dtype` switches a built one (its submodules copied ``config.dtype`` when
+they were built). The other models compute in their parameters' dtype. An RL cluster's
+vanilla rollout samples from the actor's own variables through a graph it took when it was
+built: :func:`refresh_rollout` gives it the switched one.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lossscale_jax.errors import IntegrationError
+
+_MODELS = "tunix.models."
+
+
+def patch_mask_constants(dtype: Any) -> list[str]:
+    """Sets ``K_MASK`` of every loaded ``tunix.models`` module to ``finfo(dtype).min`` where
+    the constant is beyond ``dtype``'s range; the modules changed, by name."""
+    low = float(jnp.finfo(dtype).min)
+    changed = []
+    for name, module in sorted(sys.modules.items()):
+        value = getattr(module, "K_MASK", None) if name.startswith(_MODELS) else None
+        if isinstance(value, float) and value < low:
+            module.K_MASK = low  # pyright: ignore[reportAttributeAccessIssue]
+            changed.append(name)
+    if changed:
+        jax.clear_caches()  # a function traced with the old constant would keep it
+    return changed
+
+
+def set_compute_dtype(model: Any, dtype: Any) -> None:
+    """Makes ``model`` compute in ``dtype``: its ``config.dtype`` and every submodule's
+    ``dtype``, where the model has one; otherwise its floating parameters must already be
+    ``dtype`` (the model computes in them)."""
+    dtype = np.dtype(dtype)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "dtype"):
+        for _, module in nnx.iter_graph(model):
+            own = getattr(module, "dtype", None) if isinstance(module, nnx.Module) else None
+            if own is not None and jnp.issubdtype(own, jnp.floating):
+                module.dtype = dtype  # pyright: ignore[reportAttributeAccessIssue]
+        config.dtype = dtype
+        return
+    kinds = {np.dtype(p.dtype) for p in _float_params(model)}
+    if kinds != {dtype}:
+        raise IntegrationError(
+            f"lossscale_jax.integrations.tunix: {type(model).__name__} has no compute dtype "
+            f"(its config has no `dtype`): it computes in its parameters' dtype, "
+            f"{sorted(k.name for k in kinds)}, not {dtype.name}. Build it with {dtype.name} "
+            "parameters (enable() then keeps float32 master copies in the optimizer: "
+            "lsj.master_weights), use a model that has one (Qwen2, Qwen3, Gemma4), or pass "
+            "compute_dtype=None to train it as it is."
+        )
+
+
+def _float_params(model: Any) -> list[Any]:
+    state = nnx.state(model, nnx.Param)
+    return [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def has_float16_params(model: Any, wrt: Any) -> bool:
+    """Whether the variables the optimizer trains (``wrt``) hold float16 leaves."""
+    leaves = jax.tree_util.tree_leaves(nnx.state(model, wrt))
+    return any(getattr(x, "dtype", None) == jnp.float16 for x in leaves)
+
+
+def refresh_rollout(cluster: Any, dtype: Any) -> None:
+    """The cluster's vanilla rollout samples in ``dtype`` too (its sampler kept the model's
+    graph from before ``set_compute_dtype``); another engine computes in its own dtype."""
+    sampler = getattr(cluster.rollout, "_sampler", None)
+    if sampler is None:
+        return
+    if not hasattr(sampler, "_transformer_graphdef"):
+        raise IntegrationError(
+            "lossscale_jax.integrations.tunix: the rollout's sampler keeps no model graph "
+            "it can switch to another compute dtype; build the model with that dtype "
+            "(its ModelConfig(dtype=...)) and pass compute_dtype=None."
+        )
+    model = cluster.rollout.model()
+    set_compute_dtype(model, dtype)
+    sampler._transformer_graphdef = nnx.graphdef(model)
+    jax.clear_caches()

@@ -1,0 +1,66 @@
+"""The train step ``enable`` gives a Tunix trainer, and the metrics it logs.
+
+Tunix's ``PeftTrainer._train_step(model, optimizer, inputs)`` takes ``grad(loss_fn)`` and
+calls ``optimizer.update``: no place for the loss scale. The step here keeps its signature and
+its return, ``(loss, aux, grad_norm)`` (``jit_train_and_eval_step`` jits it with
+``donate_argnames=("optimizer",)``), and takes the gradients with ``lsj.value_and_grad`` of
+whatever loss the trainer holds when it is traced (a learner's, set later with
+``with_loss_fn``, included). It logs the unscaled gradient norm as Tunix's ``grad_norm``, and
+the loss scale's metrics beside the trainer's own (``<prefix>/train/loss_scale/...``, through
+the trainer's buffer: no host sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from lossscale_jax.access._metrics import metrics
+from lossscale_jax.gradients import unscaled_global_norm, value_and_grad
+
+# lsj.metrics key -> how the values of one optimizer step's micro-batches are reduced: the
+# last (after the window's decision), as the trainer logs it once per optimizer step.
+METRICS: dict[str, Callable[[list[Any]], Any]] = {
+    "loss_scale": lambda values: values[-1],
+    "skipped": lambda values: values[-1],
+    "skipped_steps": lambda values: values[-1],
+    "overflow_rate": lambda values: values[-1],
+}
+PREFIX = "loss_scale/"
+_OWN = "lossscale_jax"  # the key of the step's own outputs in what it returns as aux
+
+
+def make_train_step(trainer: Any) -> Callable[..., tuple[Any, Any, Any]]:
+    """The loss-scaled ``(model, optimizer, inputs) -> (loss, aux, grad_norm)`` of ``trainer``."""
+
+    def train_step(model: Any, optimizer: Any, inputs: Any) -> tuple[Any, Any, Any]:
+        inputs = trainer.gen_model_input_fn(inputs)
+        has_aux = trainer._has_aux  # read when traced, as Tunix's own step reads them
+        argnums = nnx.DiffState(0, nnx.LoRAParam) if trainer._lora_enabled else 0
+        grad_fn = value_and_grad(trainer.loss_fn, optimizer, argnums=argnums, has_aux=has_aux)
+        value, grads = grad_fn(model, **inputs)
+        grad_norm = unscaled_global_norm(grads, optimizer)
+        optimizer.update(model, grads)
+        loss, aux = value if has_aux else (value, None)
+        now = metrics(nnx.as_pure(optimizer.opt_state))
+        own = {PREFIX + k: v for k, v in now.items() if k in METRICS}
+        return loss, {"aux": aux, _OWN: own}, grad_norm
+
+    return train_step
+
+
+def route_metrics(trainer: Any) -> None:
+    """The trainer's ``_post_process_train_step`` (its hook for a step's aux), wrapped: the
+    step's own metrics go into the buffer the trainer logs from, the aux to the hook."""
+    hook = trainer._post_process_train_step
+
+    def post_process(out: Any) -> Any:
+        buffer = trainer._buffered_train_metrics.additional_metrics
+        for name, value in out[_OWN].items():
+            values, _ = buffer.setdefault(name, ([], METRICS[name[len(PREFIX) :]]))
+            values.append(value)  # a device array: the trainer reads it a step later
+        return hook(out["aux"])
+
+    trainer._post_process_train_step = post_process
