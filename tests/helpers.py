@@ -88,6 +88,17 @@ def programs_round_alike() -> bool:
     return jax.default_backend() == "cpu" and skip_formulation() == "cond"
 
 
+def barriers_survive_fusion() -> bool:
+    """Whether this XLA:CPU keeps an ``optimization_barrier`` through fusion (jaxlib 0.12; 0.10
+    expands barriers before fusion), so that a product fenced off is not contracted with the
+    sum after it into a fused multiply-add: the condition under which the select rounds as the
+    conditional does (lossscale_jax/engine/_skip.py's ``fenced``). Where the host has no fused
+    multiply-add there is nothing to contract either, and this says ``True`` too."""
+    a, b, c = (np.random.default_rng(i).normal(size=256).astype(np.float32) for i in range(3))
+    fenced = jax.jit(lambda a, b, c: jax.lax.optimization_barrier(a * b) + c)(a, b, c)
+    return bool(np.array_equal(np.asarray(fenced), (a * b).astype(np.float32) + c))
+
+
 def assert_step_within_ulps(got: Any, want: Any, before: Any, ulps: int, what: str = "") -> None:
     """One step's results ``got`` against ``want``, both from the same state ``before``: float
     leaves within ``ulps`` units in the last place of the larger of the value before and

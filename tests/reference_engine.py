@@ -237,6 +237,17 @@ def initial(policy) -> LossScale:
 # ------------------------------------------------------------------ the engine
 
 
+def landing_flag(p: np.ndarray, g: np.ndarray) -> bool:
+    """Whether ``counting_sgd``'s update of ``g`` would make the float16 parameter ``p`` inf
+    or nan (``False`` for other dtypes: the landing check guards float16 parameters)."""
+    if p.dtype != np.float16:
+        return False
+    with np.errstate(invalid="ignore", over="ignore"):
+        u = g * np.asarray(-0.5, g.dtype)
+        landed = (p.astype(np.promote_types(p.dtype, u.dtype)) + u).astype(p.dtype)
+    return not bool(np.all(np.isfinite(landed)))
+
+
 @dataclass
 class Inner:
     """``counting_sgd``'s state: applied steps and the last gradient it was handed."""
@@ -301,8 +312,6 @@ class Reference:
             self.mini_step += 1
             return self._apply(updates)
 
-        self.rule(self.policy, self.ls, self.window_overflow, self.window_range)
-        skipped = self.ls.last_skipped
         if self.k == 1:
             mean = unscaled
         else:
@@ -310,6 +319,13 @@ class Reference:
                 (a * f32(1.0 / self.k).astype(a.dtype)).astype(p.dtype)
                 for a, p in zip(self.acc, self.params, strict=True)
             ]
+        # Where the update would land (engine/_landing.py): a float16 parameter it would make
+        # inf or nan is that leaf's overflow, before the decision.
+        landing = np.array([landing_flag(p, m) for p, m in zip(self.params, mean, strict=True)])
+        self.window_overflow |= bool(landing.any())
+        self.window_record |= landing
+        self.rule(self.policy, self.ls, self.window_overflow, self.window_range)
+        skipped = self.ls.last_skipped
         for inner, members in zip(self.inner, self.groups, strict=True):
             mine = bool(self.window_record[members].any()) or scale_is_bad(scale)
             if skipped and mine:  # a group is skipped for its own overflow

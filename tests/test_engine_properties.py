@@ -44,7 +44,12 @@ import lossscale_jax as lsj
 from lossscale_jax import compat
 from lossscale_jax.engine import _division, _skip
 
-pytestmark = pytest.mark.slow
+# The h leaf is a float16 parameter on purpose (the dtypes the front-ends must keep), under an
+# inner that runs in its dtype: each front-end's init warns so, as it should.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::lossscale_jax.errors.Float16OptimizerWarning"),
+]
 
 MODES = ("ieee", "saturating", "both")
 # Leaf order (tree_leaves, sorted keys): b (float32), h (float16), w (float32).

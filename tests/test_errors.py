@@ -939,14 +939,6 @@ CASES += [
         "lossscale_jax.loss_scaling is wrapped in optax.MultiSteps",
     ),
     (
-        "float16 parameters in torch's multi_optimizer",
-        lambda: lsj.compat.torch.multi_optimizer(
-            {"a": optax.sgd(0.1)}, lambda p: {"w": "a"}, lsj.compat.torch.GradScaler()
-        ).init({"w": jnp.ones(2, jnp.float16)}),
-        TypeError,
-        "compat.torch.multi_optimizer: the parameters ['w'] are float16",
-    ),
-    (
         "master_weights without params",
         lambda: lsj.master_weights(optax.sgd(0.1)).update(
             {"w": jnp.ones(2)}, lsj.master_weights(optax.sgd(0.1)).init({"w": jnp.ones(2)})

@@ -206,11 +206,23 @@ def test_every_front_end_keeps_non_finite_values_out_of_float16_params(front):
     assert lsj.overflowed_leaves(state, params) == ["['w']"]
 
 
-def test_torch_multi_optimizer_refuses_float16_parameters():
-    with pytest.raises(TypeError, match=r"float16.*master_weights"):
-        lsj.compat.torch.multi_optimizer(
-            {"a": optax.sgd(0.1)}, lambda p: {"w": "a"}, lsj.compat.torch.GradScaler()
-        ).init({"w": jnp.ones(2, jnp.float16)})
+def test_torch_multi_optimizer_keeps_non_finite_values_out_of_float16_params():
+    # Per optimizer, as torch decides: the partition whose float16 update would land inf is
+    # skipped, the other applies.
+    params = {"h": jnp.array([62000.0, 1.0], jnp.float16), "w": jnp.ones(2)}
+    with pytest.warns(Float16OptimizerWarning, match=r"\['h'\]"):
+        tx = lsj.compat.torch.multi_optimizer(
+            {"a": optax.sgd(1.0), "b": optax.sgd(1.0)},
+            {"h": "a", "w": "b"},
+            lsj.compat.torch.GradScaler(init_scale=1.0),
+        )
+        state = tx.init(params)
+    grads = {"h": jnp.array([-4096.0, 0.0], jnp.float16), "w": jnp.ones(2, jnp.float16)}
+    updates, state = tx.update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    assert all_finite(new) and new["h"].tolist() == params["h"].tolist()
+    assert new["w"].tolist() == [0.0, 0.0]  # the other optimizer stepped
+    assert lsj.overflowed_leaves(state, params) == ["['h']"]
 
 
 def test_an_nnx_model_with_float16_params_trains_through_master_weights():

@@ -21,7 +21,7 @@ from lossscale_jax.engine._engine import (
     check_state,
     inner_or_skip,
 )
-from lossscale_jax.engine._landing import float16_leaves
+from lossscale_jax.engine._landing import check_landing, float16_leaves, warn_float16_inner
 from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax.engine._opt_states import LossScalingState
 from lossscale_jax.engine._unscale import scale_is_bad
@@ -143,18 +143,9 @@ def multi_optimizer(
         return optax.multi_transform({k: own(k, t) for k, t in inners.items()}, param_labels)
 
     def init_fn(params: optax.Params) -> LossScalingState:
-        float16 = float16_leaves(params)
-        if float16:
-            # Its per-partition skip has no landing check (engine/_landing.py): refused.
-            raise TypeError(
-                f"compat.torch.multi_optimizer: the parameters {', '.join(float16)} are "
-                "float16; torch's "
-                "AMP keeps parameters in float32 and so does this wrapper. Keep float32 "
-                "parameters and compute in float16, or use lsj.loss_scaling("
-                "lsj.master_weights(optax.multi_transform(...)), policy)."
-            )
         inner_state = partition({}, None).init(params)
         refuse_nested_state(inner_state, "compat.torch.multi_optimizer")
+        warn_float16_inner(params, inner_state, "compat.torch.multi_optimizer")
         return LossScalingState(
             loss_scale=engine.policy.init(),
             inner_state=inner_state,
@@ -166,6 +157,12 @@ def multi_optimizer(
         scale = state.loss_scale.scale
         taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them
         check = engine.check(updates, scale, state.leaf_overflow, reduce_flags=True, taps=taps)
+        if float16_leaves(params):  # where every update would land: an overflow of its leaf
+            every = {k: jnp.ones([], jnp.bool_) for k in transforms}
+            landed, _ = partition(every, scale).update(
+                updates, state.inner_state, params, **extra_args
+            )
+            check = check_landing(engine, check, params, landed, reduce_flags=True)
         loss_scale, _ = engine.decide(state.loss_scale, check)
         flags = cast(jax.Array, check.flags)  # reduce_flags=True: always kept
         labels = param_labels(updates) if callable(param_labels) else param_labels

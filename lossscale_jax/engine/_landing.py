@@ -95,15 +95,22 @@ def landing_flags(params: Any, updates: Any) -> jax.Array:
 
 
 def check_landing(
-    engine: Engine, check: Check, params: Any, updates: Any, when: jax.Array | None = None
+    engine: Engine,
+    check: Check,
+    params: Any,
+    updates: Any,
+    when: jax.Array | None = None,
+    *,
+    reduce_flags: bool = False,
 ) -> Check:
     """``check`` with the update's landing folded in: an update that would write inf or nan
     into a float16 parameter counts as that leaf's overflow, reduced over ``axis_name`` as
-    the check's flags are (``when``: only where it is true, a window's end)."""
+    the check's flags are (``when``: only where it is true, a window's end;
+    ``reduce_flags``: as ``Engine.check``'s)."""
     flags = landing_flags(params, updates)
     if when is not None:
         flags = jnp.logical_and(flags, when)
-    shared = check.flags is not None and engine.attribution == "reduced"
+    shared = check.flags is not None and (reduce_flags or engine.attribution == "reduced")
     bad, _, reduced = _devices.reduce_packed(
         jnp.any(flags), None, flags if shared else None, engine.axis_name
     )

@@ -14,9 +14,20 @@ Two formulations of ``good(*operands) if apply else skip(*operands)``:
   the kernels that compute each leaf: no host round trip, no copy, the bytes of the peers'
   whole-tree ``jnp.where`` (docs/performance.md has the compiled H100 step's numbers).
 
-Both give the same values on every step (the skip branch's outputs are constants or the
+Both select the same operands on every step (the skip branch's outputs are constants or the
 operands as they were; the good branch's are selected whole), and the property test runs
-the engine's front-ends under each (``tests/test_engine_properties.py``). Which one a backend
+the engine's front-ends under each (``tests/test_engine_properties.py``). Their values are
+the same bits where the good branch is computed alike: a conditional's branch is cut off
+from the backward pass before it and the parameter update after it, a select's would be fused
+with both, and XLA:CPU then contracts another multiply with the add after it into a fused
+multiply-add (one rounding fewer, an ulp apart from the first step). So on the CPU the
+select's good branch is :func:`fenced` as the conditional's is: with jaxlib 0.12 the two give
+the same bits step for step (Adam, AdamW, SGD with momentum; the Optax path, the fused step,
+windows; ``tests/test_formulations.py``), and a run resumes under the other bit for bit. Where
+XLA:CPU expands the fences before fusion (jaxlib 0.10) each step is within an ulp (two over a
+window) of the other's from the same state, and per-layer scaling without accumulation keeps
+that difference even with them. A GPU keeps the select fused into the optimizer's kernels
+(its reason to take it): not fenced, not measured against its conditional. Which one a backend
 gets is :data:`BY_PLATFORM`. Two overrides, read while a step is traced: the environment
 variable ``LOSSSCALE_JAX_SKIP`` (:data:`ENV`: ``cond`` or ``select`` on every backend; CI runs
 the stepping tests under ``select`` on CPU, so the GPU's formulation runs on every change) and,
@@ -106,9 +117,42 @@ def here() -> set[str]:
     return {BY_PLATFORM.get(platform, "cond") for platform in jex_backend.backends()}
 
 
+def fenced(true_fun: Callable) -> Callable:
+    """``true_fun`` between two ``optimization_barrier``s, on its operands and its outputs.
+
+    What the conditional's boundary does for the good branch: XLA fuses nothing across it, so
+    the branch's kernels are cut where ``lax.cond`` cuts them. Without it XLA:CPU fuses the
+    producers of the operands (the backward pass's transposed gradient) into the optimizer's
+    kernels and the parameter update into its consumer (``p + where(apply, u, -0.0)``), and
+    LLVM contracts a different multiply into a fused multiply-add there: one rounding fewer,
+    ulps apart from the conditional's values from the first step. XLA expands the barriers
+    after fusion (jaxlib 0.12; jaxlib 0.10.2's XLA:CPU expands them before fusion, where they
+    change nothing).
+    """
+
+    def branch(*operands: Any) -> Any:
+        return jax.lax.optimization_barrier(true_fun(*jax.lax.optimization_barrier(operands)))
+
+    return branch
+
+
+def _good(true_fun: Callable, *operands: Any) -> Any:
+    """The good branch's outputs: :func:`fenced` where the step is lowered for the CPU (a
+    CPU-only process: directly; a process with another platform beside it:
+    ``platform_dependent`` picks at lowering), as they are elsewhere."""
+    platforms = set(jex_backend.backends())
+    if "cpu" not in platforms:
+        return true_fun(*operands)
+    if platforms == {"cpu"}:
+        return fenced(true_fun)(*operands)
+    return jax.lax.platform_dependent(*operands, cpu=fenced(true_fun), default=true_fun)
+
+
 def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
-    """Both branches, each output leaf picked by ``pred`` (``"select"``)."""
-    good = true_fun(*operands)
+    """Both branches, each output leaf picked by ``pred`` (``"select"``). Lowered for the CPU,
+    the good branch is :func:`fenced`, so that it rounds as the conditional's branch does; a
+    GPU keeps the select fused into the optimizer's kernels (its reason to take the select)."""
+    good = _good(true_fun, *operands)
     skip = false_fun(*operands)
     return jax.tree_util.tree_map(lambda g, s: jnp.where(pred, g, s), good, skip)
 
