@@ -66,14 +66,7 @@ def verl_megatron() -> LossScalePolicy:
       >>> float(policy.init().scale), policy.hysteresis, policy.growth_interval
       (32768.0, 2, 1000)
     """
-    return megatron.DynamicGradScaler(
-        initial_scale=2.0**15,
-        min_scale=1.0,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=1000,
-        hysteresis=2,
-    )
+    return _megatron(2.0**15)
 
 
 def megatron_lm() -> LossScalePolicy:
@@ -85,8 +78,14 @@ def megatron_lm() -> LossScalePolicy:
       >>> float(lsj.presets.megatron_lm().init().scale) == 2.0**32
       True
     """
+    return _megatron(2.0**32)
+
+
+def _megatron(initial_scale: float) -> LossScalePolicy:
+    """Megatron's rule as Megatron-LM and verl configure it: from ``initial_scale``, floored
+    at 1, doubled after 1000 good steps, halved after 2 overflows."""
     return megatron.DynamicGradScaler(
-        initial_scale=2.0**32,
+        initial_scale=initial_scale,
         min_scale=1.0,
         growth_factor=2.0,
         backoff_factor=0.5,
