@@ -183,7 +183,7 @@ def loss_scaling_multi_steps(
         at_end = state.mini_step >= every_k - 1
         # float16 parameters: the window's update computed first, its landing checked.
         decided, inner_update = land_first(
-            engine, window, params, inner_update, mean_of(acc), state.inner_state, at_end
+            engine, window, params, inner_update, mean_of(acc), state.inner_state, scale, at_end
         )
         loss_scale, apply = engine.decide(state.loss_scale, decided, when=at_end)
 

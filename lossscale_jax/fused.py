@@ -99,7 +99,7 @@ def apply_gradients(
         return inner.update(engine.unscale(g, scale, targets), inner_state, p, **extra_args)
 
     # float16 parameters: the update is computed first, and where it lands is checked.
-    check, landed = land_first(engine, check, params, inner_update, grads, state.inner_state)
+    check, landed = land_first(engine, check, params, inner_update, grads, state.inner_state, scale)
     loss_scale, apply = engine.decide(state.loss_scale, check)
 
     # ``neg_zero`` is -0.0 whenever the good branch runs, but XLA cannot know

@@ -200,7 +200,7 @@ def loss_scaling(
 
         # float16 parameters: the update is computed first, and where it lands is checked.
         check, inner_update = land_first(
-            engine, check, params, inner_update, updates, state.inner_state
+            engine, check, params, inner_update, updates, state.inner_state, scale
         )
         loss_scale, apply = engine.decide(state.loss_scale, check)
         new_updates, inner_state = inner_or_skip(

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 """The repository's root."""
@@ -86,6 +87,12 @@ def programs_round_alike() -> bool:
     one float32 ulp apart, on XLA:GPU and on XLA:CPU under the select).
     """
     return jax.default_backend() == "cpu" and skip_formulation() == "cond"
+
+
+FLOAT16_PARAMS = pytest.mark.filterwarnings("ignore::lossscale_jax.errors.Float16OptimizerWarning")
+"""For a test whose float16 parameters under an inner optimizer that runs in float16 are the
+point (the dtypes kept, the records, an upstream optimizer that trains float16 weights): the
+transformation's init warns so, as it should (tests/test_master_weights.py checks that)."""
 
 
 def barriers_survive_fusion() -> bool:

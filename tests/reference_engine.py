@@ -322,6 +322,7 @@ class Reference:
         # Where the update would land (engine/_landing.py): a float16 parameter it would make
         # inf or nan is that leaf's overflow, before the decision.
         landing = np.array([landing_flag(p, m) for p, m in zip(self.params, mean, strict=True)])
+        landing &= not scale_is_bad(scale)  # then the overflow is the scale's, no leaf's
         self.window_overflow |= bool(landing.any())
         self.window_record |= landing
         self.rule(self.policy, self.ls, self.window_overflow, self.window_range)

@@ -15,7 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import import_benchmark, replicate  # tests/ is on sys.path under pytest
+from helpers import (  # tests/ is on sys.path under pytest
+    FLOAT16_PARAMS,
+    import_benchmark,
+    replicate,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,6 +85,7 @@ def faults(draw):
     return name, hits
 
 
+@FLOAT16_PARAMS
 @pytest.mark.slow
 @settings(max_examples=15)
 @given(faults())
@@ -121,6 +126,7 @@ def test_record_names_exactly_the_leaves_hit(case):
         assert TRACES[(name, fused)] == 1  # one trace per tree, whatever the faults
 
 
+@FLOAT16_PARAMS
 def test_record_without_attribution_and_errors():
     params = TREES["flat"]
     tx = lsj.loss_scaling(optax.sgd(0.1), lsj.StaticScale(2.0), attribution=None)
@@ -138,6 +144,7 @@ def test_record_without_attribution_and_errors():
     assert bool(lsj.metrics(state)["overflow"]) and lsj.overflowed_leaves(state, params) == []
 
 
+@FLOAT16_PARAMS
 @pytest.mark.multidevice
 @pytest.mark.slow
 @pytest.mark.parametrize("attribution", ["reduced", "local"])

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import run_policy
+from helpers import FLOAT16_PARAMS, run_policy
 from reference_scalers import comparable_prefix
 from reference_torch_world import ColossalDynamicGradScaler, FairseqDynamicLossScaler
 
@@ -219,6 +219,7 @@ def _l1(params):
     return jnp.abs(X * p16["w"][0, 0] + p16["b"][0] - TARGET)
 
 
+@FLOAT16_PARAMS
 @pytest.mark.slow  # up to 2 s each: eager Adam steps
 @pytest.mark.parametrize("module", [compat.fairseq, compat.metaseq], ids=["fairseq", "metaseq"])
 @pytest.mark.parametrize("memory_efficient", [False, True])

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import (  # tests/ is on sys.path under pytest
+from helpers import (
+    FLOAT16_PARAMS,  # tests/ is on sys.path under pytest
     assert_no_host_round_trip,
     assert_trees_equal,
     multisteps_state,
@@ -126,6 +127,7 @@ def test_small_loss_in_float16_recovered_with_fp32_master_weights():
 # ------------------------------------------------------------------ dtypes
 
 
+@FLOAT16_PARAMS
 @pytest.mark.parametrize("pdtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("bad", [False, True])
 def test_dtypes_and_structure_are_stable(pdtype, bad):

@@ -10,7 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import all_finite, multisteps_state  # tests/ is on sys.path under pytest
+from helpers import (  # tests/ is on sys.path under pytest
+    FLOAT16_PARAMS,
+    all_finite,
+    multisteps_state,
+)
 
 import lossscale_jax as lsj
 
@@ -190,6 +194,7 @@ def test_every_k_1_is_loss_scaling():
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)
 
 
+@FLOAT16_PARAMS
 def test_dtypes_and_non_float_leaves():
     params = {
         "h": jnp.zeros(3, jnp.float16),

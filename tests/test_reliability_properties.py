@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from helpers import bits  # tests/ is on sys.path under pytest
+from helpers import FLOAT16_PARAMS, bits  # tests/ is on sys.path under pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,6 +106,7 @@ def reference_step(grads, params, scale, mode, policy):
     return overflow, updates, np.float32(new_scale)
 
 
+@FLOAT16_PARAMS
 @pytest.mark.slow
 @settings(max_examples=14)
 @given(cases())
@@ -131,6 +132,7 @@ def test_equals_reference_and_keeps_dtypes(case):
         assert ls.last_overflow.dtype == jnp.bool_
 
 
+@FLOAT16_PARAMS
 @pytest.mark.slow
 @settings(max_examples=8)
 @given(cases())

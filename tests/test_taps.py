@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
-from helpers import F16_UNIT_ROUNDOFF, assert_bits_equal, assert_within_roundings
+from helpers import F16_UNIT_ROUNDOFF, FLOAT16_PARAMS, assert_bits_equal, assert_within_roundings
 from jax.sharding import Mesh, PartitionSpec
 
 import lossscale_jax as lsj
@@ -387,6 +387,7 @@ def test_a_tap_that_overflows_skips_the_step():
     assert not bool(lsj.get_loss_scale_state(state).last_skipped)
 
 
+@FLOAT16_PARAMS
 def test_headroom_target_from_the_loss_tap_matches_the_rule():
     from reference_scalers import ReferenceHeadroom
 

@@ -162,7 +162,7 @@ def multi_optimizer(
             landed, _ = partition(every, scale).update(
                 updates, state.inner_state, params, **extra_args
             )
-            check = check_landing(engine, check, params, landed, reduce_flags=True)
+            check = check_landing(engine, check, params, landed, scale, reduce_flags=True)
         loss_scale, _ = engine.decide(state.loss_scale, check)
         flags = cast(jax.Array, check.flags)  # reduce_flags=True: always kept
         labels = param_labels(updates) if callable(param_labels) else param_labels

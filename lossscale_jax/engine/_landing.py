@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from lossscale_jax.engine import _devices
 from lossscale_jax.engine._engine import Check, Engine
 from lossscale_jax.engine._opt_states import MasterWeightsState
+from lossscale_jax.engine._unscale import scale_is_bad
 from lossscale_jax.errors import Float16OptimizerWarning
 
 _NAMED = 5  # leaves a warning names before "and n more"
@@ -99,6 +100,7 @@ def check_landing(
     check: Check,
     params: Any,
     updates: Any,
+    scale: jax.Array,
     when: jax.Array | None = None,
     *,
     reduce_flags: bool = False,
@@ -106,8 +108,9 @@ def check_landing(
     """``check`` with the update's landing folded in: an update that would write inf or nan
     into a float16 parameter counts as that leaf's overflow, reduced over ``axis_name`` as
     the check's flags are (``when``: only where it is true, a window's end;
-    ``reduce_flags``: as ``Engine.check``'s)."""
-    flags = landing_flags(params, updates)
+    ``reduce_flags``: as ``Engine.check``'s). A ``scale`` that is not finite and > 0 makes
+    every unscaled gradient nan: that overflow is the scale's, no leaf's (not recorded)."""
+    flags = jnp.logical_and(landing_flags(params, updates), jnp.logical_not(scale_is_bad(scale)))
     if when is not None:
         flags = jnp.logical_and(flags, when)
     shared = check.flags is not None and (reduce_flags or engine.attribution == "reduced")
@@ -127,6 +130,7 @@ def land_first(
     inner_update: Callable,
     grads: Any,
     inner_state: Any,
+    scale: jax.Array,
     when: jax.Array | None = None,
 ) -> tuple[Check, Callable]:
     """``(check, inner_update)``: where ``params`` hold float16 leaves, the update computed
@@ -136,4 +140,4 @@ def land_first(
     if not float16_leaves(params):
         return check, inner_update
     landed = inner_update(grads, inner_state)
-    return check_landing(engine, check, params, landed[0], when), lambda *_: landed
+    return check_landing(engine, check, params, landed[0], scale, when), lambda *_: landed

@@ -155,7 +155,9 @@ class LayerwiseStep:
 
         # float16 parameters: the update is computed first, and where it lands is checked
         # (a landing overflow backs off the loss's segment).
-        check, landed = land_first(engine, check, params, inner_update, grads, state.inner_state)
+        check, landed = land_first(
+            engine, check, params, inner_update, grads, state.inner_state, scales[-1]
+        )
         loss_scale, new_layers, apply = self.decide(state, check)
 
         def good(operands: Any) -> Any:
@@ -195,7 +197,7 @@ class LayerwiseStep:
         at_end = win.mini_step >= every_k - 1
         mean = mean_of(acc, unscaled, every_k)
         decided, inner_update = land_first(
-            engine, window, params, inner_update, mean, state.inner_state, at_end
+            engine, window, params, inner_update, mean, state.inner_state, scales[-1], at_end
         )
         loss_scale, new_layers, apply = self.decide(state, decided, when=at_end)
 
