@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,6 +20,7 @@ import optax
 
 from lossscale_jax.access._access import get_loss_scale_state, scale_loss
 from lossscale_jax.engine._check import is_float
+from lossscale_jax.engine._hyper import check_argnums
 from lossscale_jax.engine._unscale import inverse
 
 __all__ = ["unscaled_global_norm", "value_and_grad"]
@@ -113,7 +114,7 @@ def value_and_grad(
         nnx = sys.modules["flax.nnx"]
         differentiate = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
     else:
-        _check_argnums(argnums)
+        check_argnums(argnums)
         differentiate = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
 
     @functools.wraps(fun)
@@ -122,16 +123,6 @@ def value_and_grad(
         return ((loss, aux) if has_aux else loss), grads
 
     return run
-
-
-def _check_argnums(argnums: Any) -> None:
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    if not (
-        isinstance(nums, Sequence)
-        and nums
-        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums)
-    ):
-        raise ValueError(f"argnums must be an int >= 0 or a sequence of them, got {argnums!r}.")
 
 
 def unscaled_global_norm(grads: optax.Updates, opt_state: Any) -> jax.Array:

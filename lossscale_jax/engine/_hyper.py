@@ -114,6 +114,18 @@ def check_growth_rule(
     return growth, backoff, check_int("growth_interval", growth_interval, 1)
 
 
+def check_argnums(argnums: Any) -> tuple[int, ...]:
+    """``argnums`` (an int >= 0 or a non-empty sequence of them) as a tuple, else ``ValueError``."""
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if not (
+        isinstance(nums, tuple | list)
+        and nums
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums)
+    ):
+        raise ValueError(f"argnums must be an int >= 0 or a sequence of them, got {argnums!r}.")
+    return tuple(nums)
+
+
 def store(obj: Any, **values: Any) -> None:
     """Sets validated hyperparameters on a frozen dataclass as plain Python values.
 

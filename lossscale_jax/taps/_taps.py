@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lossscale_jax.engine._hyper import check_argnums
 from lossscale_jax.engine._tap_stats import TapStats
 from lossscale_jax.errors import TapError
 from lossscale_jax.taps._tapping import (
@@ -199,9 +200,7 @@ def value_and_grad(
         raise TypeError(f"fun must be callable, got {fun!r}.")
     validate_modules(modules)
     single = isinstance(argnums, int)
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums or not all(isinstance(i, int) and i >= 0 for i in nums):
-        raise ValueError(f"argnums must be an int >= 0 or a sequence of them, got {argnums!r}.")
+    nums = check_argnums(argnums)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, TapStats]:
         sinks = discover(fun, *args, modules=modules, **kwargs)
