@@ -50,6 +50,7 @@ if not HAVE_TUNIX:
 TUNIX_WARNINGS = (
     "ignore::DeprecationWarning:tunix",
     "ignore::DeprecationWarning:qwix",  # the LoRA library Tunix uses, the same
+    "ignore:scatter inputs have incompatible types:FutureWarning",  # Tunix's PPO data prep
     "ignore:optax.global_norm is deprecated:DeprecationWarning",  # Tunix's own step calls it
     # Tunix's cluster enters its meshes with `with mesh:` (it reads them from there)
     "ignore:.with mesh.. context manager has been deprecated:DeprecationWarning",
@@ -206,6 +207,56 @@ def test_grpo_logs_the_scale_and_the_rollout_mismatch():
     # than 0.1 on average, and by more than float32's rounding (1e-6).
     assert 1e-6 < np.mean(run["mismatch_abs"]) < 0.1
     assert run["loss_scale"][0] <= 2.0**16
+
+
+def test_ppo_enables_the_actor_and_the_critic():
+    from tunix.rl import rl_cluster as rl
+    from tunix.rl import utils as rl_utils
+    from tunix.rl.ppo import ppo_learner
+    from tunix.rl.rollout import base_rollout
+
+    grid = EX.mesh()
+    roles = (rl.Role.ACTOR, rl.Role.CRITIC, rl.Role.ROLLOUT, rl.Role.REFERENCE)
+    cluster = rl.RLCluster(
+        actor=EX.qwen3(SIZE),
+        critic=rl_utils.create_critic_model(EX.qwen3(SIZE)),  # a value head on a copy
+        reference=None,
+        tokenizer=EX.WordTokenizer(),
+        cluster_config=rl.ClusterConfig(
+            role_to_mesh={role: grid for role in roles},
+            rollout_engine="vanilla",
+            offload_to_cpu=False,
+            training_config=rl.RLTrainingConfig(
+                actor_optimizer=optax.adamw(1e-3),
+                critic_optimizer=optax.adamw(1e-3),
+                eval_every_n_steps=100,
+                max_steps=2,
+            ),
+            rollout_config=base_rollout.RolloutConfig(
+                max_tokens_to_generate=6,
+                max_prompt_length=6,
+                kv_cache_size=16,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=None,
+                eos_tokens=[EX.EOS, EX.PAD],
+                seed=0,
+            ),
+        ),
+    )
+    learner = ppo_learner.PPOLearner(
+        rl_cluster=cluster, ppo_config=ppo_learner.PPOConfig(beta=0.0), reward_fns=EX.reward
+    )
+    lsj_tunix.enable(learner, lsj.DynamicScale(init_scale=2.0**10))
+    for trainer in (cluster.actor_trainer, cluster.critic_trainer):
+        assert isinstance(trainer.optimizer, lsj.LossScaleOptimizer)
+    with EX.entered(grid):
+        learner.train([{"prompts": np.array(["t3 t4", "t9 t10 t11"])}] * 2)
+    log = cluster.actor_trainer.metrics_logger  # the cluster's, shared by both
+    for role in ("actor", "critic"):  # each its own scale, logged under its own prefix
+        assert len(log.get_metric_history(role, "loss_scale/loss_scale", "train")) == 2
+        assert np.all(np.isfinite(log.get_metric_history(role, "loss", "train")))
+    assert len(log.get_metric_history("actor", "mismatch/kl", "train")) == 2
 
 
 RESUME = textwrap.dedent(
