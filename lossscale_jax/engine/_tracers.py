@@ -115,8 +115,7 @@ def walk(
     only operations whose name stack has that transform (``"jvp"``: the forward pass of one
     differentiation), else every operation of the frame.
     """
-    goal = [t for t in targets if isinstance(t, _JitTracer)]
-    goal_vals = {id(t.val) for t in goal}
+    goal_vals = {id(t.val) for t in targets if isinstance(t, _JitTracer)}
     out = Ancestry()
     seen: set[int] = set()
     stack = [t for t in roots if isinstance(t, _JitTracer)]
@@ -125,7 +124,7 @@ def walk(
         if id(t) in seen:
             continue
         seen.add(id(t))
-        if any(t is g for g in goal) or id(t.val) in goal_vals:
+        if id(t.val) in goal_vals:
             out.found = True
             return out
         eqn = t.parent

@@ -76,12 +76,6 @@ def _float_params(model: Any) -> list[Any]:
     return [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
 
 
-def has_float16_params(model: Any, wrt: Any) -> bool:
-    """Whether the variables the optimizer trains (``wrt``) hold float16 leaves."""
-    leaves = jax.tree_util.tree_leaves(nnx.state(model, wrt))
-    return any(getattr(x, "dtype", None) == jnp.float16 for x in leaves)
-
-
 def refresh_rollout(cluster: Any, dtype: Any) -> None:
     """The cluster's vanilla rollout samples in ``dtype`` too (its sampler kept the model's
     graph from before ``set_compute_dtype``); another engine computes in its own dtype."""

@@ -20,14 +20,16 @@ from flax import nnx
 from lossscale_jax.access._metrics import metrics
 from lossscale_jax.gradients import unscaled_global_norm, value_and_grad
 
+
 # lsj.metrics key -> how the values of one optimizer step's micro-batches are reduced: the
 # last (after the window's decision), as the trainer logs it once per optimizer step.
-METRICS: dict[str, Callable[[list[Any]], Any]] = {
-    "loss_scale": lambda values: values[-1],
-    "skipped": lambda values: values[-1],
-    "skipped_steps": lambda values: values[-1],
-    "overflow_rate": lambda values: values[-1],
-}
+def _last(values: list[Any]) -> Any:
+    return values[-1]
+
+
+METRICS: dict[str, Callable[[list[Any]], Any]] = dict.fromkeys(
+    ("loss_scale", "skipped", "skipped_steps", "overflow_rate"), _last
+)
 PREFIX = "loss_scale/"
 _OWN = "lossscale_jax"  # the key of the step's own outputs in what it returns as aux
 

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from lossscale_jax.accumulation import loss_scaling_multi_steps
+from lossscale_jax.engine._landing import float16_leaves
 from lossscale_jax.errors import IntegrationError
 from lossscale_jax.master import master_weights
 from lossscale_jax.policies import DynamicScale, LossScalePolicy
@@ -166,7 +167,7 @@ def _enable_trainer(trainer: Any, policy: LossScalePolicy) -> None:
     multi_steps = isinstance(inner, optax.MultiSteps)  # Tunix's accumulation
     if multi_steps:
         inner = inner.inner_opt
-    master = _tunix_models.has_float16_params(trainer.model, old.wrt)
+    master = bool(float16_leaves(nnx.as_pure(nnx.state(trainer.model, old.wrt))))
     if master:
         inner = master_weights(inner)
     if every_k > 1:
