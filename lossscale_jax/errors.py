@@ -26,6 +26,7 @@ __all__ = [
     "Float16OptimizerWarning",
     "GradientDtypeError",
     "IntegrationError",
+    "IntegrationWarning",
     "LossScalingError",
     "NestingError",
     "NotAPolicyError",
@@ -90,8 +91,14 @@ class WiringError(LossScalingError, ValueError):
 
 
 class IntegrationError(LossScalingError, RuntimeError):
-    """An integration (``lossscale_jax.integrations``) given a framework version it was not
-    tested with, an object of the framework it does not know, or a framework not installed."""
+    """An integration (``lossscale_jax.integrations``) given a framework release that lacks a
+    name it relies on, an object of the framework it does not know or cannot keep, or a
+    framework not installed. Raised before anything was changed."""
+
+
+class IntegrationWarning(UserWarning):
+    """An integration given a framework release it was not tested with (every name it relies
+    on is there), or a setting that works but is not needed (a loss scale for bfloat16)."""
 
 
 class GradientDtypeError(WiringError, TypeError):

@@ -6,16 +6,21 @@ The rollout samples each token from its own log-probs; the training step recompu
 with its own kernels (a full forward pass instead of a key/value-cache decode). Their gap is
 the mismatch that float16 with a loss scale shrinks against bfloat16 (Qi et al. 2025), and
 Tunix 0.1.7's GRPO never shows it: with ``num_iterations=1`` its old log-probs are the
-trainer's own, and the rollout's are dropped. :func:`install` keeps them:
+trainer's own, and the rollout's are dropped. :func:`change` keeps them:
 
 - the rollout is asked for its log-probs (``RolloutConfig.return_logprobs``, set per call);
 - the learner's ``TrainExample`` carries them (a subclass with one more field, as PPO's adds
   its own); positions the rollout gave no log-prob for (padding, the end token) are left out;
 - the trainer's loss also recomputes the sampled tokens' log-probs (no gradient) at the
-  rollout's temperature, and puts in its aux, over the sampled tokens:
-  ``mismatch/kl`` = mean(exp(d) - 1 - d), ``d = logp_trainer - logp_rollout`` (the k3
-  estimate of KL(rollout || trainer)), ``mismatch/abs_log_ratio`` = mean |d| and
-  ``mismatch/max_abs_log_ratio``; the trainer logs them with its own metrics.
+  rollout's temperature, before the update, and puts in its aux, over the sampled tokens
+  (:func:`mismatch`): ``mismatch/kl`` = mean(exp(d) - 1 - d), ``d = logp_trainer -
+  logp_rollout`` (the k3 estimate of KL(rollout || trainer)), ``mismatch/abs_log_ratio`` =
+  mean |d|, ``mismatch/max_abs_log_ratio``, and the two shares RL practitioners read first:
+  ``mismatch/clip_fraction``, the tokens whose ratio ``exp(d)`` already lies outside the
+  learner's clip range (its own epsilons) before any update ("phantom clipping": the
+  clipped surrogate drops their gradient for a difference of kernels, not of policies), and
+  ``mismatch/exact_fraction``, the tokens whose two float32 log-probs are equal bit for bit
+  (bitwise on-policy); the trainer logs them with its own metrics.
 
 The cost: one more forward pass of the micro-batch (no backward) inside the train step.
 """
@@ -26,6 +31,7 @@ import dataclasses
 import functools
 import inspect
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,6 +46,8 @@ METRICS = {
     "mismatch/kl": np.mean,
     "mismatch/abs_log_ratio": np.mean,
     "mismatch/max_abs_log_ratio": np.max,
+    "mismatch/clip_fraction": np.mean,
+    "mismatch/exact_fraction": np.mean,
 }
 
 
@@ -63,23 +71,69 @@ def _attach(example: Any, logprobs: list[Any] | None) -> Any:
     return _carrying(type(example))(**fields, **{FIELD: jnp.asarray(table)})
 
 
-def _mismatch(logp_trainer: jax.Array, logp_rollout: jax.Array, mask: jax.Array) -> dict:
+def clip_range(learner: Any) -> tuple[float, float]:
+    """``(low, high)``: the learner's clip range of the ratio, ``[1 - low, 1 + high]``, as its
+    loss reads it (PPO's ``epsilon_low``/``epsilon_high``; GRPO's and DAPO's ``epsilon`` and,
+    where set, ``epsilon_high``)."""
+    config = learner.algo_config
+    epsilon = config.epsilon
+    low = getattr(config, "epsilon_low", None) or epsilon
+    high = getattr(config, "epsilon_high", None) or epsilon
+    return float(low), float(high)
+
+
+def mismatch(
+    logp_trainer: jax.Array,
+    logp_rollout: jax.Array,
+    mask: jax.Array,
+    clip: tuple[float, float],
+) -> dict[str, jax.Array]:
+    """The mismatch metrics over the tokens ``mask`` marks where the rollout gave a log-prob
+    (``d = logp_trainer - logp_rollout``, the log of the ratio ``r``; ``clip = (low, high)``).
+
+    ``kl``: mean(exp(d) - 1 - d), the k3 estimate of KL(rollout || trainer); ``abs_log_ratio``:
+    mean |d|; ``max_abs_log_ratio``: max |d|; ``clip_fraction``: the share with ``r < 1 - low``
+    or ``r > 1 + high`` (clipped before any update); ``exact_fraction``: the share whose
+    float32 log-probs are equal, bit for bit (``r`` exactly 1)."""
     seen = jnp.logical_and(mask.astype(bool), jnp.isfinite(logp_rollout))
-    d = jnp.where(seen, logp_trainer.astype(jnp.float32) - logp_rollout, 0.0)
+    trainer = logp_trainer.astype(jnp.float32)
+    d = jnp.where(seen, trainer - logp_rollout, 0.0)
+    ratio = jnp.exp(d)
+    low, high = clip
+    clipped = jnp.logical_or(ratio < 1.0 - low, ratio > 1.0 + high)
+    same = jax.lax.bitcast_convert_type(trainer, jnp.int32) == jax.lax.bitcast_convert_type(
+        logp_rollout.astype(jnp.float32), jnp.int32
+    )
     count = jnp.maximum(jnp.sum(seen), 1).astype(jnp.float32)
+
+    def share(flags: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.logical_and(seen, flags)) / count
+
     return {
         "mismatch/kl": jnp.sum(jnp.expm1(d) - d) / count,
         "mismatch/abs_log_ratio": jnp.sum(jnp.abs(d)) / count,
         "mismatch/max_abs_log_ratio": jnp.max(jnp.abs(d)),
+        "mismatch/clip_fraction": share(clipped),
+        "mismatch/exact_fraction": share(same),
     }
 
 
-def install(learner: Any) -> None:
-    """Logs the mismatch of ``learner``'s actor each step (see the module's docstring)."""
+def change(learner: Any) -> Callable[[], None]:
+    """What logs the mismatch of ``learner``'s actor each step (see the module's docstring),
+    read from the learner now (its clip range, the rollout's temperature and tokens) and
+    installed when called."""
     cluster = learner.rl_cluster
-    trainer = cluster.actor_trainer
+    clip = clip_range(learner)
     temperature = cluster.get_rollout_config(mode=rl_cluster_lib.Mode.TRAIN).temperature
     pad_id, eos_id = cluster.rollout.pad_id(), cluster.rollout.eos_id()
+    return functools.partial(_install, learner, clip, temperature, pad_id, eos_id)
+
+
+def _install(
+    learner: Any, clip: tuple[float, float], temperature: float, pad_id: int, eos_id: int
+) -> None:
+    cluster = learner.rl_cluster
+    trainer = cluster.actor_trainer
     seen = threading.local()  # the learner prepares data in a thread of its own
 
     rollout_generate = cluster.rollout.generate
@@ -126,7 +180,7 @@ def install(learner: Any) -> None:
             stop_gradient=True,
             temperature=temperature,
         )
-        extra = _mismatch(logp, getattr(example, FIELD), example.completion_mask)
+        extra = mismatch(logp, getattr(example, FIELD), example.completion_mask, clip)
         return loss, {**dict(aux), **extra}
 
     trainer.with_loss_fn(with_mismatch, has_aux=True)

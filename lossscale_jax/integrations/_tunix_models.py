@@ -10,15 +10,17 @@ still contributes exactly 0 after ``exp``, in every dtype). A function traced be
 patch keeps the old constant, so JAX's caches are cleared when it changes.
 
 Qwen2, Qwen3 (0.1.7) and Gemma4 compute in ``config.dtype`` with float32 parameters;
-:func:`set_compute_dtype` switches a built one (its submodules copied ``config.dtype`` when
-they were built). The other models compute in their parameters' dtype. An RL cluster's
+:func:`compute_dtype_change` switches a built one (its submodules copied ``config.dtype``
+when they were built). The other models compute in their parameters' dtype. An RL cluster's
 vanilla rollout samples from the actor's own variables through a graph it took when it was
-built: :func:`refresh_rollout` gives it the switched one.
+built: :func:`rollout_change` gives it the switched one. Each returns the change to make,
+having checked that it can be made: ``enable`` makes none until every check has passed.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,19 +48,22 @@ def patch_mask_constants(dtype: Any) -> list[str]:
     return changed
 
 
-def set_compute_dtype(model: Any, dtype: Any) -> None:
-    """Makes ``model`` compute in ``dtype``: its ``config.dtype`` and every submodule's
-    ``dtype``, where the model has one; otherwise its floating parameters must already be
-    ``dtype`` (the model computes in them)."""
+def compute_dtype_change(model: Any, dtype: Any) -> Callable[[], None]:
+    """What makes ``model`` compute in ``dtype``, checked now and done when called: its
+    ``config.dtype`` and every submodule's ``dtype``, where the model has them; otherwise its
+    floating parameters must already be ``dtype`` (it computes in them) and nothing changes.
+    Raises ``IntegrationError`` (having changed nothing) where neither holds."""
     dtype = np.dtype(dtype)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "dtype"):
-        for _, module in nnx.iter_graph(model):
-            own = getattr(module, "dtype", None) if isinstance(module, nnx.Module) else None
-            if own is not None and jnp.issubdtype(own, jnp.floating):
+        modules = [m for _, m in nnx.iter_graph(model) if _computes_in_own_dtype(m)]
+
+        def change() -> None:
+            for module in modules:
                 module.dtype = dtype  # pyright: ignore[reportAttributeAccessIssue]
-        config.dtype = dtype
-        return
+            config.dtype = dtype
+
+        return change
     kinds = {np.dtype(p.dtype) for p in _float_params(model)}
     if kinds != {dtype}:
         raise IntegrationError(
@@ -69,6 +74,22 @@ def set_compute_dtype(model: Any, dtype: Any) -> None:
             "lsj.master_weights), use a model that has one (Qwen2, Qwen3, Gemma4), or pass "
             "compute_dtype=None to train it as it is."
         )
+    return lambda: None
+
+
+def compute_dtype_of(model: Any) -> np.dtype | None:
+    """The dtype ``model`` computes in: its ``config.dtype``, else its floating parameters'
+    one dtype (``None``: not known)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "dtype", None) is not None:
+        return np.dtype(config.dtype)
+    kinds = {np.dtype(p.dtype) for p in _float_params(model)}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _computes_in_own_dtype(module: Any) -> bool:
+    own = getattr(module, "dtype", None) if isinstance(module, nnx.Module) else None
+    return own is not None and jnp.issubdtype(own, jnp.floating)
 
 
 def _float_params(model: Any) -> list[Any]:
@@ -76,12 +97,13 @@ def _float_params(model: Any) -> list[Any]:
     return [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
 
 
-def refresh_rollout(cluster: Any, dtype: Any) -> None:
-    """The cluster's vanilla rollout samples in ``dtype`` too (its sampler kept the model's
-    graph from before ``set_compute_dtype``); another engine computes in its own dtype."""
+def rollout_change(cluster: Any, dtype: Any) -> Callable[[], None]:
+    """What makes the cluster's vanilla rollout sample in ``dtype`` too (its sampler kept the
+    model's graph from before the change), checked now and done when called; another engine
+    computes in its own dtype, and nothing changes for it."""
     sampler = getattr(cluster.rollout, "_sampler", None)
     if sampler is None:
-        return
+        return lambda: None
     if not hasattr(sampler, "_transformer_graphdef"):
         raise IntegrationError(
             "lossscale_jax.integrations.tunix: the rollout's sampler keeps no model graph "
@@ -89,6 +111,10 @@ def refresh_rollout(cluster: Any, dtype: Any) -> None:
             "(its ModelConfig(dtype=...)) and pass compute_dtype=None."
         )
     model = cluster.rollout.model()
-    set_compute_dtype(model, dtype)
-    sampler._transformer_graphdef = nnx.graphdef(model)
-    jax.clear_caches()
+    change = compute_dtype_change(model, dtype)
+
+    def refresh() -> None:
+        change()
+        sampler._transformer_graphdef = nnx.graphdef(model)
+
+    return refresh

@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-import importlib.metadata
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,15 +18,17 @@ import optax
 
 from lossscale_jax.accumulation import loss_scaling_multi_steps
 from lossscale_jax.engine._landing import float16_leaves
-from lossscale_jax.errors import IntegrationError
+from lossscale_jax.engine._policy import check_policy
+from lossscale_jax.errors import IntegrationError, IntegrationWarning
 from lossscale_jax.master import master_weights
-from lossscale_jax.policies import DynamicScale, LossScalePolicy
+from lossscale_jax.policies import DynamicScale, LossScalePolicy, NoScale
 from lossscale_jax.transform import loss_scaling
 
 try:
     from flax import nnx
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl import rl_learner
+    from tunix.rl import trainer as rl_trainer
     from tunix.sft import peft_trainer
 except ImportError as _missing:  # the floor CI leg checks the message
     raise IntegrationError(
@@ -34,34 +37,44 @@ except ImportError as _missing:  # the floor CI leg checks the message
     ) from _missing
 
 from lossscale_jax.flax_utils import LossScaleOptimizer
-from lossscale_jax.integrations import _tunix_checkpoint, _tunix_mismatch, _tunix_models
+from lossscale_jax.integrations import (
+    _tunix_checkpoint,
+    _tunix_lora,
+    _tunix_mismatch,
+    _tunix_models,
+    _tunix_seams,
+)
 from lossscale_jax.integrations._tunix_step import make_train_step, route_metrics
 
-__all__ = ["SUPPORTED_VERSIONS", "enable"]
+__all__ = ["TESTED_VERSIONS", "check_release", "enable"]
 
-#: The google-tunix releases this integration was tested with (its trainer's private step,
-#: whose signature changes between releases, is what ``enable`` replaces).
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.1.7",)
+#: The google-tunix releases this integration was tested with. Another release is admitted
+#: when it has every name the integration relies on (:func:`check_release`), with a warning.
+TESTED_VERSIONS: tuple[str, ...] = _tunix_seams.TESTED
+
+Change = Callable[[], None]
 
 
-def check_version(version: str | None = None) -> str:
-    """The installed google-tunix version, if this integration was tested with it; else
-    ``IntegrationError`` naming both."""
-    found = version if version is not None else importlib.metadata.version("google-tunix")
-    if found not in SUPPORTED_VERSIONS:
-        raise IntegrationError(
-            f"lossscale_jax.integrations.tunix was tested with google-tunix "
-            f"{', '.join(SUPPORTED_VERSIONS)}; this environment has {found}. Its trainer's "
-            "step (which enable() replaces) differs between releases: install a tested one, "
-            f"pip install 'google-tunix=={SUPPORTED_VERSIONS[-1]}'."
-        )
-    return found
+def check_release(version: str | None = None) -> str:
+    """The installed google-tunix release, if it has every name (module, class, method,
+    signature, field) the integration relies on; ``IntegrationError`` naming each one it
+    lacks or changed otherwise. A release other than :data:`TESTED_VERSIONS` that has them
+    all is admitted with an ``IntegrationWarning``.
+
+    Args:
+      version: the release to name in the messages (default: the installed one's).
+
+    Returns:
+      The release.
+    """
+    return _tunix_seams.check(version)
 
 
 def enable(
     target: Any,
     policy: LossScalePolicy | None = None,
     *,
+    critic_policy: LossScalePolicy | None = None,
     compute_dtype: Any = jnp.float16,
     rollout_mismatch: bool | None = None,
 ) -> Any:
@@ -69,12 +82,17 @@ def enable(
 
     Call it once, after the trainer is built with a plain Optax optimizer (as Tunix's docs
     build it), or after the RL learner is built (it sets its own loss on the actor's trainer),
-    and before ``train``. For each trainer (the actor's, and the critic's under PPO):
+    and before ``train``. Every check comes first: when ``enable`` refuses, nothing in the
+    trainers, the models or the process has changed. For each trainer (the actor's, and the
+    critic's under PPO):
 
     - ``compute_dtype`` (float16 by default): the model computes in it (its ``config.dtype``
       and every submodule's; a model without one must hold parameters of that dtype), and
-      every Tunix model's attention mask constant is made finite in it (``-2.38e38`` is
-      ``-inf`` in float16: a fully padded row would be nan);
+      so does the rollout that samples from it; every Tunix model's attention mask constant
+      is made finite in it (``-2.38e38`` is ``-inf`` in float16: a fully padded row would be
+      nan), and a LoRA (qwix's, on any projection) returns the compute dtype, as the
+      projection it adapts does (a float32 LoRA output would meet the float16 key/value
+      cache of the rollout);
     - the optimizer becomes ``lsj.LossScaleOptimizer`` around the Optax optimizer the trainer
       holds, with the trainer's ``wrt`` (``nnx.Param``, or ``nnx.LoRAParam`` under LoRA):
       ``lsj.loss_scaling(inner, policy)``, or ``loss_scaling_multi_steps(inner, policy,
@@ -86,22 +104,34 @@ def enable(
       and the optimizer's state and ``step`` unchanged, the scale backed off);
     - the trainer logs, beside its loss: ``grad_norm`` unscaled (inf or nan on a skipped
       step), ``loss_scale/loss_scale``, ``loss_scale/skipped``, ``loss_scale/skipped_steps``,
-      ``loss_scale/overflow_rate``; an RL learner's actor also ``mismatch/kl``,
-      ``mismatch/abs_log_ratio``, ``mismatch/max_abs_log_ratio`` (the rollout's log-probs
-      against the trainer's, on the sampled tokens; ``rollout_mismatch``);
+      ``loss_scale/overflow_rate``; an RL learner's actor also the rollout/trainer mismatch
+      on the sampled tokens, before any update (``rollout_mismatch``): ``mismatch/kl``,
+      ``mismatch/abs_log_ratio``, ``mismatch/max_abs_log_ratio``,
+      ``mismatch/clip_fraction`` (the share whose ratio lies outside the learner's clip
+      range) and ``mismatch/exact_fraction`` (the share whose log-probs agree bit for bit);
     - checkpoints hold the loss-scaled optimizer's state; a run built again in a fresh
       process and given ``enable`` restores it and continues bit for bit.
 
     Tunix's own counters (``train_steps``, ``max_steps``, the checkpoint cadence) count
     skipped steps too; the optimizer's ``step`` (and so a schedule) counts applied ones.
 
+    The policies RL stacks ship are in ``lsj.presets``: ``precision_rl()`` (torch's rule,
+    growth after 400 good steps: Precision-RL's and verl's FSDP float16 actor),
+    ``verl_megatron()``, ``megatron_lm()``, ``torch_amp()``, ``deepspeed_fp16()``.
+
     Args:
-      target: a ``PeftTrainer`` (any subclass), an ``RLLearner`` (GRPO, DAPO, Dr. GRPO, PPO:
-        its cluster's actor trainer, and critic trainer if any) or an ``RLCluster`` (its
-        trainers; no mismatch metric, which needs the learner).
-      policy: the loss-scale policy (``lsj.DynamicScale()`` by default; RL stacks' settings:
-        ``lsj.presets``). Each trainer keeps a state of its own.
-      compute_dtype: the dtype the models compute in; ``None`` leaves them as built.
+      target: a ``PeftTrainer`` (any subclass that keeps Tunix's step), an ``RLLearner``
+        (GRPO, DAPO, Dr. GRPO, PPO: its cluster's actor trainer, and critic trainer if any)
+        or an ``RLCluster`` (its trainers; no mismatch metric, which needs the learner). Not
+        one trainer of an RL cluster alone: its rollout samples from the same model.
+      policy: the actor's (or the trainer's) loss-scale policy. Default:
+        ``lsj.DynamicScale()`` for float16 compute, ``lsj.NoScale(skip_on_overflow=True)``
+        (no loss scale, a non-finite step still skipped) for bfloat16 and float32, which do
+        not need one (given one anyway, it warns). Each trainer keeps a state of its own.
+      critic_policy: PPO's critic's policy (its gradients have another range than the
+        actor's: a value head's squared error); default: ``policy``.
+      compute_dtype: the dtype the models compute in; ``None`` leaves them as built (the
+        default policy then follows the dtype they compute in).
       rollout_mismatch: log the rollout/trainer mismatch (one more forward pass per
         micro-batch, no backward). Default: on for a learner, off otherwise.
 
@@ -109,35 +139,48 @@ def enable(
       ``target``.
 
     Raises:
-      IntegrationError: for a google-tunix release this was not tested with (naming both),
-        an object it does not know, a trainer already enabled, a model without a compute
-        dtype whose parameters are not ``compute_dtype``, or ``rollout_mismatch=True``
-        without a learner.
+      IntegrationError: for a google-tunix release that lacks a name the integration relies
+        on (naming it), an object it does not know, one trainer of an RL cluster, a trainer
+        already enabled or whose step is overridden, a model without a compute dtype whose
+        parameters are not ``compute_dtype``, ``critic_policy`` without a critic, or
+        ``rollout_mismatch=True`` without a learner.
     """
-    check_version()
-    policy = DynamicScale() if policy is None else policy
+    _tunix_seams.check()
     trainers, learner, cluster = _targets(target)
+    policies = _policies(trainers, policy, critic_policy, compute_dtype)
     if rollout_mismatch and learner is None:
         raise IntegrationError(
             "enable(..., rollout_mismatch=True) needs the RL learner (its rollout and its "
             f"loss), got {type(target).__name__}: pass the learner."
         )
+    changes: list[Change] = []
+    if compute_dtype is not None:
+        changes += [_tunix_models.compute_dtype_change(t.model, compute_dtype) for t in trainers]
+        if cluster is not None:
+            changes.append(_tunix_models.rollout_change(cluster, compute_dtype))
+    changes += [_trainer_change(t, p) for t, p in zip(trainers, policies, strict=True)]
+    if learner is not None and rollout_mismatch is not False:
+        changes.append(_tunix_mismatch.change(learner))
+    # Every check has passed: from here on, the changes.
     if compute_dtype is not None:
         _tunix_models.patch_mask_constants(compute_dtype)
-        for trainer in trainers:
-            _tunix_models.set_compute_dtype(trainer.model, compute_dtype)
-        if cluster is not None:
-            _tunix_models.refresh_rollout(cluster, compute_dtype)
-    for trainer in trainers:
-        _enable_trainer(trainer, policy)
-    if learner is not None and rollout_mismatch is not False:
-        _tunix_mismatch.install(learner)
+    _tunix_lora.install()
+    for change in changes:
+        change()
     return target
 
 
 def _targets(target: Any) -> tuple[list[Any], Any, Any]:
     """``(trainers, learner, cluster)`` of what ``enable`` was given (``None`` for those it
     was not given)."""
+    if isinstance(target, rl_trainer.Trainer):
+        raise IntegrationError(
+            "enable() was given one trainer of an RL cluster (a tunix.rl.trainer.Trainer): "
+            "its rollout samples from the same model, and would be left computing in another "
+            "dtype. Call enable(learner, policy, critic_policy=...) on the RL learner (or "
+            "enable(cluster, ...) before the learner exists): each trainer gets a scale of "
+            "its own, the critic's from critic_policy."
+        )
     if isinstance(target, peft_trainer.PeftTrainer):
         return [target], None, None
     learner = target if isinstance(target, rl_learner.RLLearner) else None
@@ -155,13 +198,57 @@ def _targets(target: Any) -> tuple[list[Any], Any, Any]:
     return trainers, learner, cluster
 
 
-def _enable_trainer(trainer: Any, policy: LossScalePolicy) -> None:
+def _policies(
+    trainers: list[Any],
+    policy: LossScalePolicy | None,
+    critic_policy: LossScalePolicy | None,
+    compute_dtype: Any,
+) -> list[LossScalePolicy]:
+    """Each trainer's policy: the actor's (or the trainer's) ``policy``, the critic's
+    ``critic_policy`` (``policy`` when ``None``); the defaults by ``compute_dtype``."""
+    if critic_policy is not None and len(trainers) < 2:
+        raise IntegrationError(
+            "enable(..., critic_policy=...) is for PPO's critic, and this target has no "
+            "critic trainer: pass policy alone."
+        )
+    if compute_dtype is None:  # the models as built: the actor's (or the trainer's) dtype
+        compute_dtype = _tunix_models.compute_dtype_of(trainers[0].model)
+    float16 = compute_dtype is None or np.dtype(compute_dtype) == np.float16
+    if policy is None:
+        policy = DynamicScale() if float16 else NoScale(skip_on_overflow=True)
+    policy = check_policy(policy, "policy")
+    critic_policy = (
+        policy if critic_policy is None else check_policy(critic_policy, "critic_policy")
+    )
+    scaled = [p for p in {policy, critic_policy} if p.constant_scale != 1.0]
+    if not float16 and scaled:
+        warnings.warn(
+            f"enable(..., compute_dtype={np.dtype(compute_dtype).name}) was given a loss "
+            f"scale ({type(scaled[0]).__name__}): {np.dtype(compute_dtype).name} has "
+            "float32's range and needs none. It is applied as given; leave policy out (no "
+            "loss scale, a non-finite step still skipped) unless you want it.",
+            IntegrationWarning,
+            stacklevel=3,
+        )
+    return [policy, critic_policy][: len(trainers)]
+
+
+def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
+    """The loss-scaled optimizer, step, metrics and checkpoints of ``trainer``, checked and
+    built now, installed when the change is made."""
+    missing = _tunix_seams.instance_missing(trainer)
+    if missing:
+        raise IntegrationError(
+            f"enable(): this {type(trainer).__name__} lacks what the integration relies on: "
+            f"{'; '.join(missing)}."
+        )
     old = trainer.optimizer
     if isinstance(old, LossScaleOptimizer):
         raise IntegrationError(
             "enable(): this trainer's optimizer is already loss-scaled (enable() was called "
             "on it before); call it once per trainer."
         )
+    _check_own_step(trainer)
     inner, every_k = old.tx, trainer.config.get_with_default("gradient_accumulation_steps", 1)
     every_k = every_k or 1
     multi_steps = isinstance(inner, optax.MultiSteps)  # Tunix's accumulation
@@ -177,13 +264,32 @@ def _enable_trainer(trainer: Any, policy: LossScalePolicy) -> None:
     new = LossScaleOptimizer(trainer.model, tx, wrt=old.wrt)
     if not master:
         _carry_over(old, new, multi_steps)
-    trainer.optimizer = new
-    trainer.clear_jit_cache()
-    step = make_train_step(trainer)
-    trainer.create_train_step_fn = lambda: step
-    route_metrics(trainer)
-    _tunix_checkpoint.install(trainer)
-    _tunix_checkpoint.restore(trainer, every_k)
+
+    def change() -> None:
+        trainer.optimizer = new
+        trainer.clear_jit_cache()
+        step = make_train_step(trainer)
+        trainer.create_train_step_fn = lambda: step
+        route_metrics(trainer)
+        _tunix_checkpoint.install(trainer)
+        _tunix_checkpoint.restore(trainer, every_k)
+
+    return change
+
+
+def _check_own_step(trainer: Any) -> None:
+    """Refuses a trainer whose class overrides Tunix's step: ``enable`` would replace it
+    silently (with whatever that class adds to it)."""
+    base = peft_trainer.PeftTrainer
+    for name in ("create_train_step_fn", "_train_step"):
+        own = getattr(type(trainer), name)
+        if own is not getattr(base, name):
+            raise IntegrationError(
+                f"enable(): {type(trainer).__qualname__} overrides PeftTrainer.{name} "
+                f"(defined in {own.__module__}); enable() replaces Tunix's step with the "
+                "loss-scaled one and would drop what that override adds. Train it with "
+                "PeftTrainer's own step, or without enable()."
+            )
 
 
 def _carry_over(old: Any, new: Any, multi_steps: bool) -> None:

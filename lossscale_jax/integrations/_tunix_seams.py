@@ -1,0 +1,208 @@
+"""The names of Tunix the integration relies on (its seams), checked before ``enable`` acts.
+
+A Tunix release is admitted by what it has, not by its version string: every module,
+class, method, signature and field below must be there as the integration uses it. A release
+that lacks one is refused, naming each that is missing or changed and what the integration
+does with it; a release whose seams are all there works, with an ``IntegrationWarning``
+where it is not a release the integration was tested with (:data:`TESTED`).
+
+What a trainer instance must hold (attributes its constructor sets) is checked on the
+instance: :func:`instance_missing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import warnings
+from typing import Any
+
+from lossscale_jax.errors import IntegrationError, IntegrationWarning
+
+#: The google-tunix releases the integration was tested with.
+TESTED: tuple[str, ...] = ("0.1.7",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Seam:
+    """One name the integration relies on: ``module``'s ``name`` (dotted within it).
+
+    ``params``: the parameters a callable must take, in this order and no others (the
+    integration replaces it, or is called as it); ``takes``: parameters it must accept among
+    others (the integration passes them by name); ``fields``: fields a dataclass must have.
+    """
+
+    module: str
+    name: str
+    use: str
+    params: tuple[str, ...] | None = None
+    takes: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def problem(self) -> str | None:
+        """What is missing or changed (``None``: the seam is there as used)."""
+        try:
+            found: Any = importlib.import_module(self.module)
+        except ImportError as e:
+            return f"{self.module}: the module is missing ({e})"
+        for part in self.name.split("."):
+            if not hasattr(found, part):
+                return f"{self.path}: missing"
+            found = getattr(found, part)
+        if self.params is not None or self.takes:
+            have = tuple(inspect.signature(found).parameters)
+            if self.params is not None and have != self.params:
+                return (
+                    f"{self.path}{_signature(have)}: the integration needs "
+                    f"{self.path}{_signature(self.params)}"
+                )
+            lacking = [p for p in self.takes if p not in have]
+            if lacking:
+                return f"{self.path}{_signature(have)}: takes no {', '.join(lacking)}"
+        if self.fields:
+            names = {f.name for f in dataclasses.fields(found)}
+            lacking = [f for f in self.fields if f not in names]
+            if lacking:
+                return f"{self.path}: has no field {', '.join(lacking)}"
+        return None
+
+
+def _signature(params: tuple[str, ...]) -> str:
+    return f"({', '.join(params)})"
+
+
+_PEFT = "tunix.sft.peft_trainer"
+_CLUSTER = "tunix.rl.rl_cluster"
+SEAMS: tuple[Seam, ...] = (
+    Seam(_PEFT, "PeftTrainer", "the trainers enable() takes (SFT, and the RL trainers)"),
+    Seam(
+        _PEFT,
+        "PeftTrainer._train_step",
+        "the step enable() replaces, called with the model, the optimizer and the inputs",
+        params=("self", "model", "optimizer", "inputs"),
+    ),
+    Seam(_PEFT, "PeftTrainer.create_train_step_fn", "where the trainer takes its step"),
+    Seam(_PEFT, "PeftTrainer.clear_jit_cache", "the step compiled again after the swap"),
+    Seam(
+        _PEFT,
+        "PeftTrainer._post_process_train_step",
+        "the hook through which the loss scale's metrics reach the trainer's logger",
+    ),
+    Seam(
+        _PEFT,
+        "TrainingConfig",
+        "the accumulation enable() turns into one decision per window, and the checkpoints",
+        fields=(
+            "gradient_accumulation_steps",
+            "checkpoint_root_directory",
+            "checkpointing_options",
+        ),
+    ),
+    Seam(
+        "tunix.sft.checkpoint_manager",
+        "CheckpointManager.maybe_restore",
+        "the loss-scaled optimizer restored from the trainer's checkpoints",
+        takes=("model", "optimizer", "restore_only_lora_params"),
+    ),
+    Seam(
+        "tunix.sft.checkpoint_manager",
+        "_DEFAULT_CHECKPOINTING_OPTIONS",
+        "the checkpoint manager enable() gives the trainer, with Tunix's own options",
+    ),
+    Seam("tunix.rl.rl_learner", "RLLearner", "the RL learners enable() takes"),
+    Seam(
+        "tunix.rl.rl_learner",
+        "RLLearner._generate_and_compute_advantage",
+        "the rollout's log-probs carried to the training step (the mismatch metrics)",
+    ),
+    Seam(_CLUSTER, "RLCluster", "an RL learner's trainers and rollout"),
+    Seam(_CLUSTER, "RLCluster.actor_trainer", "the actor's trainer"),
+    Seam(_CLUSTER, "RLCluster.critic_trainer", "PPO's critic's trainer"),
+    Seam(_CLUSTER, "RLCluster.rollout", "the rollout switched to the compute dtype"),
+    Seam(_CLUSTER, "RLCluster.generate", "the rollout's log-probs (the mismatch metrics)"),
+    Seam(_CLUSTER, "RLCluster.get_rollout_config", "the rollout's temperature"),
+    Seam(
+        "tunix.rl.trainer",
+        "Trainer.with_rl_metrics_to_log",
+        "the mismatch metrics logged beside the learner's own",
+    ),
+    Seam(
+        "tunix.rl.rollout.base_rollout",
+        "RolloutConfig",
+        "the rollout asked for its log-probs",
+        fields=("return_logprobs", "temperature"),
+    ),
+    Seam(
+        "tunix.rl.common",
+        "compute_per_token_logps",
+        "the trainer's log-probs of the sampled tokens (the mismatch metrics)",
+        takes=(
+            "graphdef",
+            "state",
+            "prompt_tokens",
+            "completion_tokens",
+            "pad_id",
+            "eos_id",
+            "stop_gradient",
+            "temperature",
+        ),
+    ),
+)
+
+#: What a trainer instance must hold, set by its constructor: name -> what it is for.
+TRAINER_ATTRIBUTES: dict[str, str] = {
+    "model": "the model trained",
+    "optimizer": "the nnx.Optimizer enable() replaces",
+    "config": "the trainer's TrainingConfig",
+    "loss_fn": "the loss the step differentiates",
+    "gen_model_input_fn": "the step's inputs",
+    "_has_aux": "whether the loss returns aux",
+    "_lora_enabled": "whether the step differentiates the LoRA parameters alone",
+    "_buffered_train_metrics": "the buffer the trainer logs from",
+    "checkpoint_manager": "the trainer's checkpoints",
+    "_train_steps": "the step counter restored with a checkpoint",
+    "_iter_steps": "the micro-step counter restored with a checkpoint",
+    "metrics_logger": "the trainer's metrics logger",
+}
+
+
+def version() -> str:
+    """The installed google-tunix release."""
+    return importlib.metadata.version("google-tunix")
+
+
+def check(found: str | None = None) -> str:
+    """The installed release, if every seam is there (``IntegrationWarning`` where it was not
+    tested); else ``IntegrationError`` naming each seam missing or changed."""
+    found = version() if found is None else found
+    problems = [(seam, seam.problem()) for seam in SEAMS]
+    problems = [(seam, p) for seam, p in problems if p is not None]
+    if problems:
+        lines = "\n".join(f"- {p} (used for {seam.use})" for seam, p in problems)
+        raise IntegrationError(
+            f"lossscale_jax.integrations.tunix: google-tunix {found} lacks what the "
+            f"integration relies on:\n{lines}\nIt was tested with google-tunix "
+            f"{', '.join(TESTED)}: pip install 'google-tunix=={TESTED[-1]}'."
+        )
+    if found not in TESTED:
+        warnings.warn(
+            f"lossscale_jax.integrations.tunix was tested with google-tunix "
+            f"{', '.join(TESTED)}; this environment has {found}, which has every name the "
+            "integration relies on. Compare a short run with the float32 one.",
+            IntegrationWarning,
+            stacklevel=3,
+        )
+    return found
+
+
+def instance_missing(trainer: Any) -> list[str]:
+    """The attributes of :data:`TRAINER_ATTRIBUTES` that ``trainer`` lacks, with their use."""
+    return [
+        f"{name} ({use})" for name, use in TRAINER_ATTRIBUTES.items() if not hasattr(trainer, name)
+    ]
