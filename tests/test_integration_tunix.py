@@ -96,20 +96,23 @@ def sft(
     steps=4,
     bad=(),
     accumulate=None,
-    lora=False,
+    lora=None,
     root=None,
     policy=None,
     optimizer=None,
+    mesh=None,
+    loss=None,
 ):
-    """A Tunix SFT run of the example's Qwen3 on left-padded batches; the trainer."""
+    """A Tunix SFT run of the example's Qwen3 on left-padded batches (``lora``: qwix's LoRA
+    on the projections that module path matches; ``mesh``: the model resharded onto it by
+    Tunix's ``reshard_model_to_mesh``, the run inside it); the trainer."""
     model = EX.qwen3(SIZE, dtype if not enable else jnp.float32)
     if lora:
-        import qwix
+        model = with_lora(model, lora)
+    if mesh is not None:
+        from tunix.rl import reshard
 
-        provider = qwix.LoraProvider(module_path=".*q_proj|.*v_proj", rank=4, alpha=8.0)
-        model = qwix.apply_lora_to_model(
-            model, provider, rngs=nnx.Rngs(1), **model.get_model_input()
-        )
+        model = reshard.reshard_model_to_mesh(model, mesh)
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9,
         max_steps=steps,
@@ -117,15 +120,24 @@ def sft(
         checkpoint_root_directory=root,
     )
     initial = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    with EX.entered(EX.mesh()):
+    with EX.entered(mesh or EX.mesh()):
         trainer = peft_trainer.PeftTrainer(model, optimizer or optax.adamw(1e-2), config)
         trainer.initial_params = initial  # the test's own note: the parameters before training
         trainer.with_gen_model_input_fn(EX.model_inputs)
-        trainer.with_loss_fn(loss_with_fault)
+        trainer.with_loss_fn(loss or loss_with_fault)
         if enable:
             lsj_tunix.enable(trainer, policy or lsj.DynamicScale(init_scale=2.0**10))
         trainer.train(batches(steps * (accumulate or 1), bad))
     return trainer
+
+
+def with_lora(model, module_path):
+    """``model`` with qwix's LoRA (rank 4, as Tunix's examples apply it) on the projections
+    ``module_path`` matches."""
+    import qwix
+
+    provider = qwix.LoraProvider(module_path=module_path, rank=4, alpha=8.0)
+    return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
 
 
 def history(trainer, name, prefix=""):
@@ -180,7 +192,7 @@ def test_tunix_accumulation_skips_the_whole_window():
 
 
 def test_lora_trains_the_lora_params_only():
-    trainer = sft(jnp.float16, steps=2, lora=True)
+    trainer = sft(jnp.float16, steps=2, lora=".*q_proj|.*v_proj")
     assert trainer.optimizer.wrt is nnx.LoRAParam
     now = nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))
     flat_now = dict(jax.tree_util.tree_flatten_with_path(now)[0])

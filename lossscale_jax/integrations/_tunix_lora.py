@@ -4,27 +4,30 @@
 
 qwix's LoRA (``qwix.LoraProvider``, which Tunix's examples apply with
 ``qwix.apply_lora_to_model``) adds ``x @ a @ b * alpha / rank`` to each targeted projection,
-``a`` and ``b`` in the base weight's *parameter* dtype. A Tunix model with float32
-parameters that computes in float16 (its ``config.dtype``, what ``enable`` sets) then gets
-float32 back from every targeted projection:
+with ``a`` and ``b`` as they are stored: in the base weight's *parameter* dtype. A Tunix model
+with float32 parameters that computes in float16 (its ``config.dtype``, what ``enable``
+sets) then gets float32 back from every targeted projection:
 
 - ``v_proj``'s output meets the float16 key/value cache of the rollout, and the first
   rollout dies in ``lax.dynamic_update_slice`` ("requires arguments to have the same
   dtypes, got float16, float32"); ``q_proj`` and ``k_proj`` escape only because
   ``q_norm``/``k_norm`` cast back;
 - ``o_proj``'s and the MLP's outputs turn the residual stream float32: the model computes
-  partly in float32, silently.
+  partly in float32, silently, with float32 copies of its activations kept for the backward.
 
-:func:`install` makes each of the provider's LoRA ops return the dtype its base op computes
-in (the result dtype of its operands, or its ``preferred_element_type``), as PEFT's LoRA
-layers cast their sum back to the base layer's result dtype: the low-rank branch is computed
-as qwix computes it (in the parameters' dtype) and the sum rounded once to the compute dtype.
-Where the two dtypes agree (float32 compute, or parameters built in the compute dtype)
-nothing changes; operands qwix quantized (QLoRA) are left as they are.
+:func:`install` makes the LoRA branch compute in the dtype its base op computes in (the
+result dtype of the base op's operands, or its ``preferred_element_type``), as the base op
+computes in it: ``a`` and ``b`` are cast to it where qwix reads them
+(``_get_or_create_lora_params``), as Tunix's projections cast their float32 weights (and as
+PyTorch's autocast runs a LoRA's matmuls in float16). Their gradients reach the float32
+parameters through the cast, in float32. Where the two dtypes agree (float32 compute, or
+parameters built in the compute dtype) nothing changes; a base op on weights qwix quantized
+(QLoRA) is left as it is.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from collections.abc import Callable
@@ -35,44 +38,79 @@ import jax.numpy as jnp
 import numpy as np
 
 OPS = ("einsum", "dot_general", "conv_general_dilated")  # LoraProvider's methods wrapped
-_MARK = "_lossscale_jax_casts_back"
+READ = "_get_or_create_lora_params"  # where qwix's LoRA ops read a and b
+MODULE = "qwix._src.providers.lora"
+_MARK = "_lossscale_jax_compute_dtype"
+_COMPUTE: contextvars.ContextVar[np.dtype | None] = contextvars.ContextVar(
+    "lossscale_jax_lora_compute_dtype", default=None
+)
 
 
-def provider() -> type | None:
-    """``qwix.LoraProvider``, or ``None`` where qwix is not installed."""
+def lora_module() -> Any:
+    """qwix's LoRA module, or ``None`` where qwix is not installed."""
     try:
-        import qwix
+        import qwix._src.providers.lora as lora
     except ImportError:
         return None
-    return qwix.LoraProvider
+    return lora
+
+
+def missing() -> list[str]:
+    """What :func:`install` needs of qwix and this qwix lacks (empty: all there)."""
+    lora = lora_module()
+    if lora is None:
+        return [MODULE]
+    names = [f"LoraProvider.{op}" for op in OPS if not hasattr(lora.LoraProvider, op)]
+    if not hasattr(lora, READ):
+        names.append(READ)
+    return [f"{MODULE}.{name}" for name in names]
 
 
 def install() -> bool:
-    """Wraps ``qwix.LoraProvider``'s LoRA ops (once per process): each returns its base op's
-    dtype. Whether it was installed now (traces made before keep the old ops: JAX's caches
-    are cleared then)."""
-    cls = provider()
-    if cls is None or getattr(getattr(cls, OPS[0]), _MARK, False):
+    """Makes qwix's LoRA ops compute in their base op's dtype (once per process; see the
+    module's docstring). Whether it was installed now (JAX's caches are cleared then: a trace
+    made before would keep the old ops)."""
+    lora = lora_module()
+    if lora is None or missing() or getattr(getattr(lora, READ), _MARK, False):
         return False
+    read = getattr(lora, READ)
+
+    @functools.wraps(read)
+    def read_in_compute_dtype(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        a, b = read(*args, **kwargs)
+        want = _COMPUTE.get()
+        if want is None:
+            return a, b
+        return tuple(_narrowed(x, want) for x in (a, b))  # pyright: ignore[reportReturnType]
+
+    setattr(read_in_compute_dtype, _MARK, True)
+    setattr(lora, READ, read_in_compute_dtype)
     for name in OPS:
-        setattr(cls, name, _casting_back(name, getattr(cls, name)))
+        setattr(lora.LoraProvider, name, _in_base_dtype(name, getattr(lora.LoraProvider, name)))
     jax.clear_caches()
     return True
 
 
-def _casting_back(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
+def _narrowed(x: Any, want: np.dtype) -> Any:
+    """``x`` cast to ``want`` where both are floating and ``want`` is narrower."""
+    have = np.dtype(x.dtype)
+    floating = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(want, jnp.floating)
+    return x.astype(want) if floating and want.itemsize < have.itemsize else x
+
+
+def _in_base_dtype(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(op)
 
     @functools.wraps(op)
-    def casting_back(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = op(self, *args, **kwargs)
+    def in_base_dtype(self: Any, *args: Any, **kwargs: Any) -> Any:
         want = _base_dtype(name, signature.bind(self, *args, **kwargs).arguments)
-        if want is None or out.dtype == want or not jnp.issubdtype(out.dtype, jnp.floating):
-            return out
-        return out.astype(want)
+        token = _COMPUTE.set(want)
+        try:
+            return op(self, *args, **kwargs)
+        finally:
+            _COMPUTE.reset(token)
 
-    setattr(casting_back, _MARK, True)
-    return casting_back
+    return in_base_dtype
 
 
 def _base_dtype(name: str, bound: dict[str, Any]) -> np.dtype | None:

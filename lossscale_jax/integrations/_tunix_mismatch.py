@@ -9,6 +9,8 @@ Tunix 0.1.7's GRPO never shows it: with ``num_iterations=1`` its old log-probs a
 trainer's own, and the rollout's are dropped. :func:`change` keeps them:
 
 - the rollout is asked for its log-probs (``RolloutConfig.return_logprobs``, set per call);
+  the learner sees them only where its own rollout config asked for them (a learner that
+  reads them, as Tunix's next GRPO does, would otherwise change its ratio);
 - the learner's ``TrainExample`` carries them (a subclass with one more field, as PPO's adds
   its own); positions the rollout gave no log-prob for (padding, the end token) are left out;
 - the trainer's loss also recomputes the sampled tokens' log-probs (no gradient) at the
@@ -40,6 +42,8 @@ import numpy as np
 from flax import nnx, struct
 from tunix.rl import common as rl_common
 from tunix.rl import rl_cluster as rl_cluster_lib
+
+from lossscale_jax.errors import IntegrationError
 
 FIELD = "rollout_per_token_logps"
 METRICS = {
@@ -123,6 +127,19 @@ def change(learner: Any) -> Callable[[], None]:
     read from the learner now (its clip range, the rollout's temperature and tokens) and
     installed when called."""
     cluster = learner.rl_cluster
+    loss_fn = cluster.actor_trainer.loss_fn
+    if "train_example" not in inspect.signature(loss_fn).parameters:
+        raise IntegrationError(
+            f"enable(): the loss {type(learner).__name__} set on the actor's trainer "
+            f"({getattr(loss_fn, '__qualname__', loss_fn)!r}) takes no `train_example`, "
+            "which the rollout mismatch reads; pass rollout_mismatch=False."
+        )
+    config = getattr(learner, "algo_config", None)
+    if not isinstance(getattr(config, "epsilon", None), float | int):
+        raise IntegrationError(
+            f"enable(): {type(learner).__name__} has no algo_config.epsilon (its clip "
+            "range), which mismatch/clip_fraction reads; pass rollout_mismatch=False."
+        )
     clip = clip_range(learner)
     temperature = cluster.get_rollout_config(mode=rl_cluster_lib.Mode.TRAIN).temperature
     pad_id, eos_id = cluster.rollout.pad_id(), cluster.rollout.eos_id()
@@ -139,6 +156,7 @@ def _install(
     rollout_generate = cluster.rollout.generate
 
     def rollout_with_logprobs(prompts: Any, rollout_config: Any, **kwargs: Any) -> Any:
+        seen.asked = rollout_config.return_logprobs
         config = dataclasses.replace(rollout_config, return_logprobs=True)
         return rollout_generate(prompts, config, **kwargs)
 
@@ -147,6 +165,8 @@ def _install(
     def generate(*args: Any, **kwargs: Any) -> Any:
         out = cluster_generate(*args, **kwargs)
         seen.logprobs = out.logprobs
+        if not getattr(seen, "asked", True):  # the learner sees what its config asked for
+            out = dataclasses.replace(out, logprobs=None)
         return out
 
     prepare = learner._generate_and_compute_advantage

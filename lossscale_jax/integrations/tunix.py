@@ -249,6 +249,14 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
             "on it before); call it once per trainer."
         )
     _check_own_step(trainer)
+    if trainer._lora_enabled and _tunix_lora.missing():
+        raise IntegrationError(
+            "enable(): this trainer trains a LoRA, and the qwix installed lacks what the "
+            "integration needs to compute it in the model's compute dtype: "
+            f"{', '.join(_tunix_lora.missing())}. Install the qwix google-tunix "
+            f"{TESTED_VERSIONS[-1]} comes with, or pass compute_dtype=None and build the "
+            "model in the dtype to train in."
+        )
     inner, every_k = old.tx, trainer.config.get_with_default("gradient_accumulation_steps", 1)
     every_k = every_k or 1
     multi_steps = isinstance(inner, optax.MultiSteps)  # Tunix's accumulation
