@@ -404,3 +404,172 @@ def test_clip_and_exact_fractions_of_a_run_whose_true_shares_are_known():
     assert 0 < min(clip) and 0 < min(exact)
     np.testing.assert_allclose(rl_history(cluster, "mismatch/clip_fraction"), clip, rtol=1e-6)
     np.testing.assert_allclose(rl_history(cluster, "mismatch/exact_fraction"), exact, rtol=1e-6)
+
+
+# Meshes: SFT sharded (fsdp, tp), RL with its roles on meshes of their own.
+
+
+def two_meshes():
+    """Two (fsdp 2, tp 2) meshes on devices 0-3 and 4-7, the axis names Qwen3's sharding
+    rules use."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    devices = np.asarray(jax.devices()[:8])
+    return tuple(
+        jax.sharding.Mesh(d.reshape(2, 2), ("fsdp", "tp"), axis_types=auto)
+        for d in (devices[:4], devices[4:])
+    )
+
+
+def padded(spec, ndim):
+    """A partition spec with one entry per axis (``P('fsdp', 'tp')`` of a 3-d array is
+    ``('fsdp', 'tp', None)``)."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def assert_sharded_as_the_model(model, opt_state, mesh, moments=2):
+    """Every parameter on ``mesh`` with the partition spec the model declares, and every
+    optimizer leaf of a parameter's shape with that parameter's spec (``moments`` of them per
+    parameter at least: Adam's two)."""
+    state = nnx.state(model, nnx.Param)
+    declared = jax.tree_util.tree_leaves(nnx.get_partition_spec(state))
+    leaves = jax.tree_util.tree_leaves(state)
+    by_shape = {}
+    for x, spec in zip(leaves, declared, strict=True):
+        spec = padded(spec, x.ndim)
+        assert x.sharding.mesh == mesh, (x.shape, x.sharding)
+        assert padded(x.sharding.spec, x.ndim) == spec, (x.shape, x.sharding)
+        by_shape.setdefault(x.shape, set()).add(spec)
+    matched = 0
+    for x in jax.tree_util.tree_leaves(nnx.as_pure(opt_state)):
+        if x.ndim >= 2 and len(by_shape.get(x.shape, ())) == 1:
+            want = next(iter(by_shape[x.shape]))
+            assert padded(x.sharding.spec, x.ndim) == want, (x.shape, x.sharding)
+            matched += 1
+    unambiguous = [x for x in leaves if x.ndim >= 2 and len(by_shape[x.shape]) == 1]
+    assert matched >= moments * len(unambiguous) > 0
+
+
+@pytest.mark.multidevice(8)
+def test_sft_sharded_over_fsdp_and_tp_matches_one_device():
+    mesh, _ = two_meshes()
+    one = sft(jnp.float16, steps=3)
+    sharded = sft(jnp.float16, steps=3, mesh=mesh)
+    assert history(sharded, "loss_scale/skipped") == [0.0] * 3
+    # The same float16 arithmetic but for the order of the sums the shards split: each op
+    # result differs by at most an ulp of float16 (2**-11 relative), a few per layer; three
+    # Adam steps keep the losses within 1%.
+    np.testing.assert_allclose(history(sharded, "loss"), history(one, "loss"), rtol=1e-2)
+    assert_sharded_as_the_model(sharded.model, sharded.optimizer.opt_state, mesh)
+
+
+def loss_with_shard_fault(model, input_tokens, input_mask, positions, attention_mask):
+    """Tunix's default SFT loss, plus ``inf * w[BAD, 0]`` of the embedding on a batch whose
+    first row ends with ``BAD``: an inf gradient in one element of one parameter, which
+    lives on one device of the mesh."""
+    loss = peft_trainer._default_loss_fn(model, input_tokens, input_mask, positions, attention_mask)
+    fault = jnp.where(input_tokens[0, -1] == FAULT_TOKEN, jnp.inf, 0.0)
+    return loss + fault * model.embedder.input_embedding[...][FAULT_TOKEN, 0]
+
+
+FAULT_TOKEN = SIZE.vocab - 1  # the token test_integration_tunix.batches plants
+
+
+@pytest.mark.multidevice(8)
+def test_an_inf_confined_to_one_shard_skips_the_step_on_every_device():
+    mesh, _ = two_meshes()
+    before = sft(jnp.float16, steps=2, mesh=mesh, loss=loss_with_shard_fault)
+    trainer = sft(jnp.float16, steps=3, bad=(2,), mesh=mesh, loss=loss_with_shard_fault)
+    embedding = trainer.model.embedder.input_embedding[...]
+    holders = [
+        d
+        for d, index in embedding.sharding.devices_indices_map(embedding.shape).items()
+        if index[0].start <= FAULT_TOKEN < index[0].stop and index[1].start == 0
+    ]
+    assert len(holders) == 1  # the inf gradient lived on one device
+    assert history(trainer, "loss_scale/skipped") == [0.0, 0.0, 1.0]
+    assert history(trainer, "loss_scale/loss_scale")[-1] == 2.0**9  # backed off from 2**10
+    shards = lambda model: [  # noqa: E731
+        [np.asarray(s.data) for s in x.addressable_shards]
+        for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+    ]
+    for got, want in zip(shards(trainer.model), shards(before.model), strict=True):
+        for a, b in zip(got, want, strict=True):  # every device's shard, bit for bit
+            np.testing.assert_array_equal(a, b)
+    step = trainer.optimizer.step[...]
+    assert {int(np.asarray(s.data)) for s in step.addressable_shards} == {2}
+
+
+def grpo_run(compute_dtype, meshes=None, replay=None):
+    """A GRPO run (SGD with momentum: updates linear in the gradients) on one device or with
+    the actor and the reference on ``meshes[0]`` and the rollout on ``meshes[1]``; ``replay``: the
+    completions of another run, given to the learner in place of this rollout's (which still
+    runs). The cluster and the completions the learner trained on."""
+    actor_mesh = meshes[0] if meshes else None
+    roles = None
+    if meshes:
+        roles = {rl.Role.ACTOR: meshes[0], rl.Role.REFERENCE: meshes[0], rl.Role.ROLLOUT: meshes[1]}
+    cluster = make_cluster(
+        EX.qwen3(SIZE), meshes=roles, steps=2, optimizer=optax.sgd(0.5, momentum=0.9)
+    )
+    learner = grpo(cluster)
+    policy = lsj.DynamicScale(init_scale=2.0**10)
+    if compute_dtype == jnp.float32:  # a loss scale where none is needed: enable() says so
+        with pytest.warns(IntegrationWarning, match="needs none"):
+            lsj_tunix.enable(learner, policy, compute_dtype=compute_dtype)
+    else:
+        lsj_tunix.enable(learner, policy, compute_dtype=compute_dtype)
+    generate, seen = cluster.rollout.generate, []
+
+    def recorded(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        assert all(np.all(np.isfinite(lp)) for lp in out.logprobs)
+        seen.append(replay[len(seen)] if replay else out)
+        return seen[-1]
+
+    cluster.rollout.generate = recorded
+    train(learner, mesh=actor_mesh)
+    return cluster, seen
+
+
+@pytest.mark.multidevice(8)
+def test_grpo_with_actor_and_rollout_on_meshes_of_their_own_matches_one_device():
+    # In float32 (with a loss scale) the rollouts on the two layouts sample the same tokens:
+    # the logits differ by float32's rounding (1e-7 relative), far from any sampling
+    # boundary the few draws meet.
+    meshes = two_meshes()
+    one, one_out = grpo_run(jnp.float32)
+    two, two_out = grpo_run(jnp.float32, meshes)
+    assert [o.text for o in two_out] == [o.text for o in one_out]
+    np.testing.assert_allclose(
+        rl_history(two, "grad_norm"), rl_history(one, "grad_norm"), rtol=1e-5
+    )
+    # SGD (with momentum) moves each parameter by a sum of lr times its gradients: float32
+    # gradients summed in another order agree to ~1e-6 relative of the largest.
+    for k, want in params(one.actor_trainer.model).items():
+        got = params(two.actor_trainer.model)[k]
+        np.testing.assert_allclose(got, want, atol=1e-5 * (np.abs(want).max() + 1), err_msg=k)
+    assert_sharded_as_the_model(
+        two.actor_trainer.model, two.actor_trainer.optimizer.opt_state, meshes[0], moments=1
+    )
+    rollout_state = nnx.state(two.rollout.model(), nnx.Param)
+    assert {x.sharding.mesh for x in jax.tree_util.tree_leaves(rollout_state)} == {meshes[1]}
+
+
+@pytest.mark.multidevice(8)
+def test_float16_grpo_on_meshes_of_their_own_matches_one_device_on_the_same_completions():
+    # In float16 the two layouts' logits differ by an ulp (2**-11) here and there, which
+    # moves some sampled tokens: the learner is given the one-device run's completions
+    # (the rollout on its own mesh still runs, in float16, and gives finite log-probs).
+    meshes = two_meshes()
+    one, one_out = grpo_run(jnp.float16)
+    two, _ = grpo_run(jnp.float16, meshes, replay=one_out)
+    for role_history in ("loss_scale/skipped",):
+        assert rl_history(two, role_history) == rl_history(one, role_history) == [0.0, 0.0]
+    # float16 rounds each op to 2**-11 relative; the gradient of this 2-layer model passes
+    # some tens of them: its norm agrees within 2%.
+    np.testing.assert_allclose(
+        rl_history(two, "grad_norm"), rl_history(one, "grad_norm"), rtol=2e-2
+    )
+    assert_sharded_as_the_model(
+        two.actor_trainer.model, two.actor_trainer.optimizer.opt_state, meshes[0], moments=1
+    )
