@@ -70,13 +70,13 @@ test-floor:
 
 # The Tunix integration (lossscale_jax[tunix]: google-tunix pulls about 90 packages, 1.2 GB) in
 # a venv of its own, on the newest Python: its tests, the example's included
-# (tests/test_integration_tunix.py; make test skips them where Tunix is not installed, saying
+# (tests/test_integration_tunix*.py; make test skips them where Tunix is not installed, saying
 # so). CI runs it in the newest leg.
 TUNIX_VENV ?= .venv-tunix
 test-tunix:
 	$(MAKE) $(TUNIX_VENV)/.installed-stamp VENV=$(TUNIX_VENV) EXTRAS=test,tunix
 	$(TUNIX_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load \
-		tests/test_integration_tunix.py "tests/test_docs.py::test_code_blocks_run[rl.md]"
+		tests/test_integration_tunix*.py "tests/test_docs.py::test_code_blocks_run[rl.md]"
 
 # The whole suite on JAX's default accelerator, in the environment's own Python (no .venv:
 # the machine's JAX has CUDA; pip install -e . --no-deps, jmp==0.0.4 and the test extras

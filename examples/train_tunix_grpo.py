@@ -10,9 +10,12 @@ it where it arises, with one line added to a Tunix GRPO program::
 
     lsj_tunix.enable(learner, policy, compute_dtype=dtype)
 
-which makes the actor compute in ``dtype``, trains it with loss scaling, logs the loss
-scale and skipped steps, and logs ``mismatch/kl`` (KL(rollout || trainer) on the
-sampled tokens, the k3 estimate) each step (``lossscale_jax.integrations.tunix``).
+which makes the actor compute in ``dtype``, trains it with loss scaling, logs the
+loss scale and skipped steps, and logs the rollout/trainer mismatch on the sampled
+tokens each step (``lossscale_jax.integrations.tunix``): ``mismatch/kl``
+(KL(rollout || trainer), the k3 estimate), the share of tokens whose ratio is already
+outside GRPO's clip range before the update (``mismatch/clip_fraction``) and the share
+whose log-probs agree bit for bit (``mismatch/exact_fraction``).
 
 The model is Tunix's Qwen3 at a small configuration, with no tokenizer to download:
 token ``i`` is the word ``t{i}``. It is pretrained briefly in float32 with Tunix's own
@@ -295,6 +298,8 @@ def grpo(size: Size, weights: Any, dtype: str, seed: int) -> dict[str, Any]:
         "seed": seed,
         "mismatch_kl": history("actor", "mismatch/kl"),
         "mismatch_abs": history("actor", "mismatch/abs_log_ratio"),
+        "clip_fraction": history("actor", "mismatch/clip_fraction"),
+        "exact_fraction": history("actor", "mismatch/exact_fraction"),
         "loss_scale": history("actor", "loss_scale/loss_scale"),
         "skipped": history("actor", "loss_scale/skipped"),
         "grad_norm": history("actor", "grad_norm"),
@@ -312,8 +317,9 @@ def table(runs: list[dict[str, Any]]) -> str:
     """Per dtype over the seeds: the mismatch (mean over steps), reward, skips, time."""
     lines = [
         "| compute dtype | loss scale | KL(rollout ‖ trainer) | mean abs log-ratio | "
-        "reward, last step | skipped steps | s / step |",
-        "|---|---|---|---|---|---|---|",
+        "clipped before the update | bit for bit | reward, last step | skipped steps | "
+        "s / step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype in DTYPES:
         rows = [r for r in runs if r["dtype"] == dtype]
@@ -323,6 +329,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {dtype} | {'precision_rl' if dtype == 'float16' else 'none'} | "
             f"{_mean_sd([np.mean(r['mismatch_kl']) for r in rows], '.2e')} | "
             f"{_mean_sd([np.mean(r['mismatch_abs']) for r in rows], '.2e')} | "
+            f"{_mean_sd([np.mean(r['clip_fraction']) for r in rows], '.4f')} | "
+            f"{_mean_sd([np.mean(r['exact_fraction']) for r in rows], '.2f')} | "
             f"{_mean_sd([r['reward'][-1] for r in rows], '.3f')} | "
             f"{sum(int(sum(r['skipped'])) for r in rows)} | "
             f"{np.mean([r['seconds_per_step'] for r in rows]):.2f} |"

@@ -573,3 +573,38 @@ def test_float16_grpo_on_meshes_of_their_own_matches_one_device_on_the_same_comp
     assert_sharded_as_the_model(
         two.actor_trainer.model, two.actor_trainer.optimizer.opt_state, meshes[0], moments=1
     )
+
+
+# A first run that looks right.
+
+
+def test_bfloat16_gets_no_loss_scale_unless_given_one():
+    def scale_of(trainer):
+        return float(lsj.get_loss_scale_state(nnx.as_pure(trainer.optimizer.opt_state)).scale)
+
+    trainer = plain_sft_trainer()
+    lsj_tunix.enable(trainer, compute_dtype=jnp.bfloat16)
+    assert scale_of(trainer) == 1.0
+    assert trainer.model.config.dtype == jnp.bfloat16
+    given = plain_sft_trainer()
+    with pytest.warns(IntegrationWarning, match="bfloat16 has float32's range and needs none"):
+        lsj_tunix.enable(given, lsj.DynamicScale(), compute_dtype=jnp.bfloat16)
+    assert scale_of(given) == 2.0**15  # applied as given
+    # compute_dtype=None: the models as built, and the default follows the dtype they compute in
+    with EX.entered(EX.mesh()):
+        built = peft_trainer.PeftTrainer(
+            EX.qwen3(SIZE, jnp.bfloat16),
+            optax.adamw(1e-2),
+            peft_trainer.TrainingConfig(eval_every_n_steps=9),
+        )
+    lsj_tunix.enable(built, compute_dtype=None)
+    assert scale_of(built) == 1.0
+    assert scale_of(lsj_tunix.enable(plain_sft_trainer())) == 2.0**15  # float16: DynamicScale()
+
+
+def test_the_first_skipped_step_is_said_with_why_once(caplog):
+    with caplog.at_level("WARNING", logger="lossscale_jax.integrations.tunix"):
+        trainer = sft(jnp.float16, steps=4, bad=(1, 2))
+    assert history(trainer, "loss_scale/skipped") == [0.0, 1.0, 1.0, 0.0]
+    said = [r.getMessage() for r in caplog.records if "skipped an optimizer step" in r.getMessage()]
+    assert len(said) == 1 and "the trainer skipped" in said[0] and "backed off" in said[0]

@@ -3,15 +3,16 @@
 A framework whose trainer computes ``grad(loss)`` and applies the update itself has no place
 for ``lsj.scale_loss`` between the two. An integration gives it one with the least of the
 framework's code: it swaps in the library's optimizer and a step built on
-``lsj.value_and_grad`` (never a second copy of the engine's step), checks the framework's
-version (a release it was not tested with is refused, naming both), and imports the
-framework only there.
+``lsj.value_and_grad`` (never a second copy of the engine's step), checks the names of the
+framework it relies on (a release that lacks one is refused, naming it), makes every check
+before its first change, and imports the framework only there.
 
 Holds: ``tunix`` (``enable``: Tunix's SFT and RL trainers, public) and its parts,
 ``_tunix_step`` (the train step and its metrics), ``_tunix_models`` (float16 compute for
 Tunix's models: their attention mask constant, their compute dtype), ``_tunix_checkpoint``
-(checkpoints of the loss-scaled optimizer) and ``_tunix_mismatch`` (the rollout/trainer
-log-prob mismatch, logged each step).
+(checkpoints of the loss-scaled optimizer), ``_tunix_mismatch`` (the rollout/trainer
+log-prob mismatch, logged each step), ``_tunix_lora`` (qwix's LoRA in the compute dtype) and
+``_tunix_seams`` (the names of Tunix it relies on).
 
 May import: everything else in the package (it sits above ``compat`` and ``presets``) and
 ``errors``. Nothing in the package imports it; ``import lossscale_jax`` does not load it.

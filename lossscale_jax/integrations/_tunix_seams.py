@@ -166,6 +166,9 @@ TRAINER_ATTRIBUTES: dict[str, str] = {
     "_lora_enabled": "whether the step differentiates the LoRA parameters alone",
     "_buffered_train_metrics": "the buffer the trainer logs from",
     "checkpoint_manager": "the trainer's checkpoints",
+    "checkpoint_manager._checkpoint_manager": (
+        "the Orbax manager Tunix's checkpoint manager saves and restores through"
+    ),
     "_train_steps": "the step counter restored with a checkpoint",
     "_iter_steps": "the micro-step counter restored with a checkpoint",
     "metrics_logger": "the trainer's metrics logger",

@@ -12,9 +12,11 @@ the trainer's buffer: no host sync).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 from lossscale_jax.access._metrics import metrics
@@ -31,6 +33,7 @@ METRICS: dict[str, Callable[[list[Any]], Any]] = dict.fromkeys(
     ("loss_scale", "skipped", "skipped_steps", "overflow_rate"), _last
 )
 PREFIX = "loss_scale/"
+LOG = logging.getLogger("lossscale_jax.integrations.tunix")
 _OWN = "lossscale_jax"  # the key of the step's own outputs in what it returns as aux
 
 
@@ -55,14 +58,42 @@ def make_train_step(trainer: Any) -> Callable[..., tuple[Any, Any, Any]]:
 
 def route_metrics(trainer: Any) -> None:
     """The trainer's ``_post_process_train_step`` (its hook for a step's aux), wrapped: the
-    step's own metrics go into the buffer the trainer logs from, the aux to the hook."""
+    step's own metrics go into the buffer the trainer logs from, the aux to the hook. The
+    first skipped step the trainer logs is also said, with why, in a log line."""
     hook = trainer._post_process_train_step
+    reducers = {**METRICS, "skipped": _saying_the_first_skip(trainer)}
 
     def post_process(out: Any) -> Any:
         buffer = trainer._buffered_train_metrics.additional_metrics
         for name, value in out[_OWN].items():
-            values, _ = buffer.setdefault(name, ([], METRICS[name[len(PREFIX) :]]))
+            values, _ = buffer.setdefault(name, ([], reducers[name[len(PREFIX) :]]))
             values.append(value)  # a device array: the trainer reads it a step later
         return hook(out["aux"])
 
     trainer._post_process_train_step = post_process
+
+
+def _saying_the_first_skip(trainer: Any) -> Callable[[list[Any]], Any]:
+    """The reducer of ``skipped`` (the last value of the optimizer step), which logs a line
+    the first time it reduces a skipped step: the trainer reduces when it writes its
+    metrics, a step later, with the values already on the host (no sync of its own)."""
+    told = False
+    who = f"the {trainer.metrics_prefix} trainer" if trainer.metrics_prefix else "the trainer"
+
+    def reduce(values: list[Any]) -> Any:
+        nonlocal told
+        last = values[-1]
+        if not told and bool(np.asarray(last)):
+            told = True
+            LOG.warning(
+                "lossscale_jax: %s skipped an optimizer step: its scaled gradients overflowed "
+                "(inf or nan), so nothing was applied (the parameters and the optimizer's "
+                "state and step are as they were) and the loss scale backed off "
+                "(loss_scale/loss_scale). A dynamic scale starts high and halves until the "
+                "gradients fit: the first steps of a fresh model often skip, and "
+                "loss_scale/skipped_steps counts every skip. Said once per trainer.",
+                who,
+            )
+        return last
+
+    return reduce

@@ -260,6 +260,14 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
     inner, every_k = old.tx, trainer.config.get_with_default("gradient_accumulation_steps", 1)
     every_k = every_k or 1
     multi_steps = isinstance(inner, optax.MultiSteps)  # Tunix's accumulation
+    if every_k > 1 and not multi_steps:
+        raise IntegrationError(
+            f"enable(): this trainer accumulates {every_k} micro-batches "
+            "(gradient_accumulation_steps) but its optimizer is not the optax.MultiSteps "
+            "Tunix 0.1.7 wraps it in: this Tunix accumulates otherwise, and enable() would "
+            "accumulate a second time. Install a tested release (google-tunix "
+            f"{TESTED_VERSIONS[-1]})."
+        )
     if multi_steps:
         inner = inner.inner_opt
     master = bool(float16_leaves(nnx.as_pure(nnx.state(trainer.model, old.wrt))))
