@@ -282,6 +282,23 @@ def test_a_release_lacking_a_seam_is_refused_by_name_with_nothing_changed(monkey
     assert snapshot(trainer) == before
 
 
+def test_a_trainer_lacking_what_enable_relies_on_is_refused_by_name():
+    # Tunix's next checkpoint manager has no Orbax manager under `_checkpoint_manager` (the
+    # one enable()'s saves through), and its accumulation is no optax.MultiSteps.
+    trainer = plain_sft_trainer()
+    del trainer.checkpoint_manager._checkpoint_manager
+    before = snapshot(trainer)
+    with pytest.raises(IntegrationError, match=r"checkpoint_manager\._checkpoint_manager \(the"):
+        lsj_tunix.enable(trainer)
+    assert snapshot(trainer) == before
+    accumulating = plain_sft_trainer()
+    accumulating.config.gradient_accumulation_steps = 2  # but no MultiSteps around its tx
+    before = snapshot(accumulating)
+    with pytest.raises(IntegrationError, match="would accumulate a second time"):
+        lsj_tunix.enable(accumulating)
+    assert snapshot(accumulating) == before
+
+
 def test_a_release_with_every_seam_and_another_version_works(monkeypatch):
     monkeypatch.setattr(_tunix_seams, "version", lambda: "0.1.8")
     trainer = plain_sft_trainer()

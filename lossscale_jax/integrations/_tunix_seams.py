@@ -207,5 +207,14 @@ def check(found: str | None = None) -> str:
 def instance_missing(trainer: Any) -> list[str]:
     """The attributes of :data:`TRAINER_ATTRIBUTES` that ``trainer`` lacks, with their use."""
     return [
-        f"{name} ({use})" for name, use in TRAINER_ATTRIBUTES.items() if not hasattr(trainer, name)
+        f"{name} ({use})" for name, use in TRAINER_ATTRIBUTES.items() if not _has(trainer, name)
     ]
+
+
+def _has(owner: Any, dotted: str) -> bool:
+    """Whether ``owner`` has the attribute path ``dotted`` (``a.b``: ``owner.a.b``)."""
+    for part in dotted.split("."):
+        if not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return True
