@@ -81,7 +81,7 @@ def install() -> bool:
         want = _COMPUTE.get()
         if want is None:
             return a, b
-        return tuple(_narrowed(x, want) for x in (a, b))  # pyright: ignore[reportReturnType]
+        return tuple(_narrowed(x, want) for x in (a, b))
 
     setattr(read_in_compute_dtype, _MARK, True)
     setattr(lora, READ, read_in_compute_dtype)

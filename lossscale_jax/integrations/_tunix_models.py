@@ -60,7 +60,7 @@ def compute_dtype_change(model: Any, dtype: Any) -> Callable[[], None]:
 
         def change() -> None:
             for module in modules:
-                module.dtype = dtype  # pyright: ignore[reportAttributeAccessIssue]
+                module.dtype = dtype
             config.dtype = dtype
 
         return change
