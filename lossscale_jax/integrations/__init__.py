@@ -11,8 +11,11 @@ Holds: ``tunix`` (``enable``: Tunix's SFT and RL trainers, public) and its parts
 ``_tunix_step`` (the train step and its metrics), ``_tunix_models`` (float16 compute for
 Tunix's models: their attention mask constant, their compute dtype), ``_tunix_checkpoint``
 (checkpoints of the loss-scaled optimizer), ``_tunix_mismatch`` (the rollout/trainer
-log-prob mismatch, logged each step), ``_tunix_lora`` (qwix's LoRA in the compute dtype) and
-``_tunix_seams`` (the names of Tunix it relies on).
+log-prob mismatch, logged each step), ``_tunix_lora`` (qwix's LoRA in the compute dtype),
+``_tunix_seams`` (the names of Tunix it relies on) and ``_tunix_maxtext`` (MaxText's
+post-training on Tunix: its models' compute dtype, set through their own config; its SFT
+trainer's own step, kept; MaxText found through ``sys.modules``, never imported where the
+program has not).
 
 May import: everything else in the package (it sits above ``compat`` and ``presets``) and
 ``errors``. Nothing in the package imports it; ``import lossscale_jax`` does not load it.

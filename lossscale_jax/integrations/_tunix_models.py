@@ -11,7 +11,9 @@ patch keeps the old constant, so JAX's caches are cleared when it changes.
 
 Qwen2, Qwen3 (0.1.7) and Gemma4 compute in ``config.dtype`` with float32 parameters;
 :func:`compute_dtype_change` switches a built one (its submodules copied ``config.dtype``
-when they were built). The other models compute in their parameters' dtype. An RL cluster's
+when they were built). MaxText's (its Transformer, or the TunixMaxTextAdapter around it)
+compute in their own read-only config's dtype: ``_tunix_maxtext`` switches them as MaxText
+builds them. The other models compute in their parameters' dtype. An RL cluster's
 vanilla rollout samples from the actor's own variables through a graph it took when it was
 built: :func:`rollout_change` gives it the switched one. Each returns the change to make,
 having checked that it can be made: ``enable`` makes none until every check has passed.
@@ -29,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from lossscale_jax.errors import IntegrationError
+from lossscale_jax.integrations import _tunix_maxtext
 
 _MODELS = "tunix.models."
 
@@ -54,6 +57,9 @@ def compute_dtype_change(model: Any, dtype: Any) -> Callable[[], None]:
     floating parameters must already be ``dtype`` (it computes in them) and nothing changes.
     Raises ``IntegrationError`` (having changed nothing) where neither holds."""
     dtype = np.dtype(dtype)
+    maxtext = _tunix_maxtext.compute_dtype_change(model, dtype)  # MaxText's: its own config
+    if maxtext is not None:
+        return maxtext
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "dtype"):
         modules = [m for _, m in nnx.iter_graph(model) if _computes_in_own_dtype(m)]
@@ -79,7 +85,10 @@ def compute_dtype_change(model: Any, dtype: Any) -> Callable[[], None]:
 
 def compute_dtype_of(model: Any) -> np.dtype | None:
     """The dtype ``model`` computes in: its ``config.dtype``, else its floating parameters'
-    one dtype (``None``: not known)."""
+    one dtype (``None``: not known); a MaxText model's, its config's."""
+    maxtext = _tunix_maxtext.compute_dtype_of(model)
+    if maxtext is not None:
+        return maxtext
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "dtype", None) is not None:
         return np.dtype(config.dtype)

@@ -49,11 +49,17 @@ def make_train_step(trainer: Any) -> Callable[..., tuple[Any, Any, Any]]:
         grad_norm = unscaled_global_norm(grads, optimizer)
         optimizer.update(model, grads)
         loss, aux = value if has_aux else (value, None)
-        now = metrics(nnx.as_pure(optimizer.opt_state))
-        own = {PREFIX + k: v for k, v in now.items() if k in METRICS}
-        return loss, {"aux": aux, _OWN: own}, grad_norm
+        return outputs(loss, aux, grad_norm, optimizer)
 
     return train_step
+
+
+def outputs(loss: Any, aux: Any, grad_norm: Any, optimizer: Any) -> tuple[Any, Any, Any]:
+    """What a loss-scaled step returns after ``optimizer.update``: ``(loss, aux, grad_norm)``
+    with the loss scale's metrics beside the aux (:func:`route_metrics` takes them out)."""
+    now = metrics(nnx.as_pure(optimizer.opt_state))
+    own = {PREFIX + k: v for k, v in now.items() if k in METRICS}
+    return loss, {"aux": aux, _OWN: own}, grad_norm
 
 
 def route_metrics(trainer: Any) -> None:

@@ -40,6 +40,7 @@ from lossscale_jax.flax_utils import LossScaleOptimizer
 from lossscale_jax.integrations import (
     _tunix_checkpoint,
     _tunix_lora,
+    _tunix_maxtext,
     _tunix_mismatch,
     _tunix_models,
     _tunix_seams,
@@ -248,7 +249,9 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
             "enable(): this trainer's optimizer is already loss-scaled (enable() was called "
             "on it before); call it once per trainer."
         )
-    _check_own_step(trainer)
+    own_step = _tunix_maxtext.own_step(trainer, peft_trainer.PeftTrainer)  # MaxText's, kept
+    if own_step is None:
+        _check_own_step(trainer)
     if trainer._lora_enabled and _tunix_lora.missing():
         raise IntegrationError(
             "enable(): this trainer trains a LoRA, and the qwix installed lacks what the "
@@ -284,8 +287,11 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
     def change() -> None:
         trainer.optimizer = new
         trainer.clear_jit_cache()
-        step = make_train_step(trainer)
-        trainer.create_train_step_fn = lambda: step
+        if own_step is not None:
+            trainer.create_train_step_fn = own_step
+        else:
+            step = make_train_step(trainer)
+            trainer.create_train_step_fn = lambda: step
         route_metrics(trainer)
         _tunix_checkpoint.install(trainer)
         _tunix_checkpoint.restore(trainer, every_k)
