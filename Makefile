@@ -75,8 +75,17 @@ test-floor:
 TUNIX_VENV ?= .venv-tunix
 test-tunix:
 	$(MAKE) $(TUNIX_VENV)/.installed-stamp VENV=$(TUNIX_VENV) EXTRAS=test,tunix
+	$(MAKE) $(TUNIX_VENV)/.maxtext-stamp
 	$(TUNIX_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load \
 		tests/test_integration_tunix*.py "tests/test_docs.py::test_code_blocks_run[rl.md]"
+
+# MaxText's post-training (tests/test_integration_tunix_maxtext.py) in the Tunix venv: the
+# packages of pyproject.toml's maxtext extra, without their dependencies (the extra says why).
+$(TUNIX_VENV)/.maxtext-stamp: $(TUNIX_VENV)/.installed-stamp
+	$(TUNIX_VENV)/bin/uv pip install -q --python $(TUNIX_VENV)/bin/python --no-deps \
+		$$($(TUNIX_VENV)/bin/python -c "import tomllib; print(' '.join(tomllib.load(open( \
+		'pyproject.toml', 'rb'))['project']['optional-dependencies']['maxtext']))")
+	touch $@
 
 # The whole suite on JAX's default accelerator, in the environment's own Python (no .venv:
 # the machine's JAX has CUDA; pip install -e . --no-deps, jmp==0.0.4 and the test extras
