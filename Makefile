@@ -70,8 +70,10 @@ test-floor:
 
 # The Tunix integration (lossscale_jax[tunix]: google-tunix pulls about 90 packages, 1.2 GB) in
 # a venv of its own, on the newest Python: its tests, the example's included
-# (tests/test_integration_tunix*.py; make test skips them where Tunix is not installed, saying
-# so). CI runs it in the newest leg.
+# (tests/test_integration_tunix*.py), MaxText's post-training on Tunix included
+# (tests/test_integration_tunix_maxtext.py: maxtext 0.2.5 added to that venv, below; about 100 s
+# of the run on 2 cores, two workers importing MaxText). make test skips them where Tunix or
+# MaxText is not installed, saying so. CI runs it in the newest leg.
 TUNIX_VENV ?= .venv-tunix
 test-tunix:
 	$(MAKE) $(TUNIX_VENV)/.installed-stamp VENV=$(TUNIX_VENV) EXTRAS=test,tunix
