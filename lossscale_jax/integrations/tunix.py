@@ -91,9 +91,9 @@ def enable(
       and every submodule's; a model without one must hold parameters of that dtype), and
       so does the rollout that samples from it; every Tunix model's attention mask constant
       is made finite in it (``-2.38e38`` is ``-inf`` in float16: a fully padded row would be
-      nan), and a LoRA (qwix's, on any projection) returns the compute dtype, as the
-      projection it adapts does (a float32 LoRA output would meet the float16 key/value
-      cache of the rollout);
+      nan), and a LoRA (qwix's, on any projection) computes in it, as the projection it
+      adapts does (a float32 LoRA output would meet the float16 key/value cache of the
+      rollout);
     - the optimizer becomes ``lsj.LossScaleOptimizer`` around the Optax optimizer the trainer
       holds, with the trainer's ``wrt`` (``nnx.Param``, or ``nnx.LoRAParam`` under LoRA):
       ``lsj.loss_scaling(inner, policy)``, or ``loss_scaling_multi_steps(inner, policy,
@@ -105,7 +105,8 @@ def enable(
       and the optimizer's state and ``step`` unchanged, the scale backed off);
     - the trainer logs, beside its loss: ``grad_norm`` unscaled (inf or nan on a skipped
       step), ``loss_scale/loss_scale``, ``loss_scale/skipped``, ``loss_scale/skipped_steps``,
-      ``loss_scale/overflow_rate``; an RL learner's actor also the rollout/trainer mismatch
+      ``loss_scale/overflow_rate`` (the first skipped step also said, with why, in a log
+      line of ``lossscale_jax.integrations.tunix``); an RL learner's actor also the rollout/trainer mismatch
       on the sampled tokens, before any update (``rollout_mismatch``): ``mismatch/kl``,
       ``mismatch/abs_log_ratio``, ``mismatch/max_abs_log_ratio``,
       ``mismatch/clip_fraction`` (the share whose ratio lies outside the learner's clip
