@@ -182,7 +182,7 @@ class Engine:
         """Refuses, while the step is traced, gradients this update must not divide by
         ``scale``: non-float leaves, and the wirings ``_wiring`` sees going wrong."""
         _wiring.refuse_non_float(grads, self.where)
-        _wiring.check_update(grads, scale, self.where, self.policy.constant_scale)
+        _wiring.check_update(grads, scale, self.where, self.policy)
 
     def _with_taps(
         self, taps: Any, scale: jax.Array, found: jax.Array, amax: jax.Array | None
@@ -211,12 +211,15 @@ class Engine:
         scales: jax.Array,
         layers: Any,
         taps: Any,
+        loss_scale: jax.Array,
     ) -> Check:
         """The overflow check of per-layer scaled ``grads``, per segment, in one all-reduce.
 
         ``layers`` (a ``LayerMap``) gives each gradient leaf its segment and names the
         layer taps in forward order; ``scales`` is ``float32[n + 1]``, each segment's
-        cumulative scale (the last, the loss's). Rule::
+        cumulative scale (the last, the loss's); ``loss_scale`` is the state's loss scale,
+        the one ``scale_loss`` multiplies the loss by (the wiring check asks the gradients to
+        carry it once; the layers' factors come on top of it). Rule::
 
           flags, leaf_max = per-leaf overflow flags and max |g|     # one read of each leaf
           amax[s] = max over leaves of s of leaf_max / (scales[s] * finfo(compute_dtype).max)
@@ -230,7 +233,7 @@ class Engine:
           (found, amax, overflowed, flags) reduced over axis_name: one all-reduce
         """
         _devices.check_mapped_axes(grads, self.reduced, self.local, self.mode, self.where)
-        self.check_wiring(grads, scales)
+        self.check_wiring(grads, loss_scale)
         leaves = jax.tree_util.tree_leaves(grads)
         if len(leaves) != len(layers.segments):
             raise StructureError(

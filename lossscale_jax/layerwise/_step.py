@@ -147,7 +147,7 @@ class LayerwiseStep:
         state = check_state(state, LayerwiseScalingState, "layerwise_scaling")
         taps = extra_args.pop("taps", None)
         scales = state.layers.scale
-        check = engine.check_layers(grads, scales, self.layers, taps)
+        check = engine.check_layers(grads, scales, self.layers, taps, state.loss_scale.scale)
         targets = unscale_targets(params, state.inner_state)
 
         def inner_update(g: Any, inner_state: Any, p: Any = params) -> Any:
@@ -184,7 +184,7 @@ class LayerwiseStep:
         state = check_state(state, LayerwiseScalingState, "layerwise_scaling")
         taps = extra_args.pop("taps", None)
         scales, win = state.layers.scale, state.window
-        this = engine.check_layers(grads, scales, self.layers, taps)
+        this = engine.check_layers(grads, scales, self.layers, taps, state.loss_scale.scale)
         so_far = Check(win.overflow, win.leaf_overflow, win.amax, win.segments)
         window = engine.fold(so_far, this)
         unscaled = self.unscale(grads, scales, unscale_targets(params, state.inner_state))
