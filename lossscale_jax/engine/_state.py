@@ -48,12 +48,15 @@ class LossScaleState(_ChexDataclass):
       growth_count: int32, good steps since the scale last changed or an
         overflow was seen.
       hysteresis_count: int32, overflows counted toward the next backoff.
-      last_overflow: bool, whether the last step saw an overflow.
-      last_skipped: bool, whether the last step's update was skipped.
-      stuck: bool, whether the last step overflowed while the policy could not
-        lower the scale any further (``DynamicScale`` at ``min_scale``; every
-        overflow of ``StaticScale``/``NoScale``). Training that stays stuck
-        skips every step; see ``metrics``.
+      last_overflow: bool, whether the last step's gradients overflowed.
+      last_skipped: bool, whether the last step's update was skipped (for an
+        overflow, or, with float16 parameters, because the update would have
+        written inf or nan into one of them: then ``last_overflow`` is False).
+      stuck: bool, whether the last step was skipped for a reason no scale
+        fixes: it overflowed while the policy could not lower the scale any
+        further (``DynamicScale`` at ``min_scale``; every overflow of
+        ``StaticScale``/``NoScale``), or its update could not land in float16
+        parameters. Training that stays stuck skips every step; see ``metrics``.
       total_steps: int32, steps seen (saturating increment).
       overflow_steps: int32, steps that saw an overflow (saturating).
       skipped_steps: int32, steps whose update was skipped (saturating).

@@ -286,7 +286,7 @@ def _in_force(policy: Any) -> str:
         return f"{_number(constant)}, {name}'s"
     start = getattr(policy, "init_scale", None)
     if isinstance(start, int | float):
-        return f"{_number(start)} at this {name}'s start (init_scale), then wherever it moves"
+        return f"{_number(start)} at this {name}'s start, then wherever it moves"
     return f"the scale {name} holds"
 
 

@@ -24,6 +24,7 @@ from lossscale_jax.engine._engine import (
     check_state,
     inner_or_skip,
     skip_updates,
+    unlanded_step,
 )
 from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import refuse_nested_state
@@ -126,9 +127,16 @@ class LayerwiseStep:
             growth_count=new.growth_count[n],
             hysteresis_count=jnp.zeros([], jnp.int32),
         )
+        unlanded = None
+        if check.unlanded is not None:  # an update that cannot land: no segment's scale moves
+            unlanded = jnp.logical_and(check.unlanded, jnp.logical_not(overflow))
+            loss_scale = unlanded_step(state.loss_scale, loss_scale, overflow, unlanded)
+            new = jax.tree_util.tree_map(
+                lambda old, moved: jnp.where(unlanded, old, moved), state.layers, new
+            )
         # outside the skip (Engine.decide)
-        _stuck.check_stuck(loss_scale, self.engine.on_stuck, when)
-        return loss_scale, new, jnp.logical_not(overflow)
+        _stuck.check_stuck(loss_scale, self.engine.on_stuck, when, unlanded, check.float16_leaves)
+        return loss_scale, new, jnp.logical_not(loss_scale.last_skipped)
 
     def unscale(self, grads: Any, scales: jax.Array, params: Any) -> Any:
         """Each leaf divided by its own segment's scale."""
@@ -154,7 +162,7 @@ class LayerwiseStep:
             return inner.update(self.unscale(g, scales, targets), inner_state, p, **extra_args)
 
         # float16 parameters: the update is computed first, and where it lands is checked
-        # (a landing overflow backs off the loss's segment).
+        # (an update that cannot land is skipped, every segment's scale kept).
         check, landed = land_first(
             engine, check, params, inner_update, grads, state.inner_state, scales[-1]
         )
