@@ -332,3 +332,16 @@ def test_value_and_grad_with_aux_and_a_logged_scaled_loss():
         return jax.tree_util.tree_map(lambda a: a + 0.0 * logged * aux, g)
 
     _expect_sgd(_update_with(grads), PLAIN)
+
+
+def test_a_scaled_loss_guarded_by_a_where_and_a_max():
+    # Operations after scale_loss whose backward pass reads a comparison of the scaled loss
+    # (a select's predicate): a bool, no second multiplication by the scale.
+    def grads(p, s):
+        def guarded(q):
+            scaled = lsj.scale_loss(loss_fn(q), s)
+            return jnp.maximum(jnp.where(jnp.isfinite(scaled), scaled, 0.0), 0.0)
+
+        return jax.grad(guarded)(p)
+
+    _expect_sgd(_update_with(grads), PLAIN)

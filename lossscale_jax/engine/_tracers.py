@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import numpy as np
+
 try:  # JAX's internals: present in every JAX the package admits (see the docstring)
     from jax._src import core as _core
     from jax._src import source_info_util as _source_info
@@ -177,23 +179,42 @@ class Carried(NamedTuple):
     backward: bool
 
 
-# Per tracer: (depends on the scale, depth, opaque, backward), as ``Carried`` without forward.
-_State = tuple[bool, int, bool, bool]
-_NOTHING: _State = (False, 0, False, False)
+# Per tracer: (depends on the scale, holds its magnitude, depth, opaque, backward).
+_State = tuple[bool, bool, int, bool, bool]
+_NOTHING: _State = (False, False, 0, False, False)
+_TARGET: _State = (True, True, 0, False, False)
+# Floating results that keep none of their input's magnitude.
+_SIGNS = frozenset({"sign"})
+
+
+def _inexact(tracer: Any) -> bool:
+    dtype = getattr(getattr(tracer, "aval", None), "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.inexact)
 
 
 def _combine(eqn: Any, ins: list[_State]) -> _State:
+    """An operation's state from its inputs' (its outputs' magnitude: see ``_of``)."""
     depends = any(x[0] for x in ins)
-    depth = max((x[1] for x in ins), default=0)
-    opaque = any(x[2] for x in ins)
+    name = getattr(getattr(eqn, "primitive", None), "name", None)
+    magnitude = any(x[1] for x in ins) and name not in _SIGNS
+    depth = max((x[2] for x in ins), default=0)
+    opaque = any(x[3] for x in ins)
     transposed = _transformed(eqn, "transpose")
-    backward = transposed or any(x[3] for x in ins)
-    if any(x[0] and x[1] == 0 for x in ins):  # the scale, not yet in a backward pass
+    backward = transposed or any(x[4] for x in ins)
+    if any(x[1] and x[2] == 0 for x in ins):  # the scale's magnitude, not yet in a backward
         if _holds_program(eqn):
             opaque = True
         elif transposed:
             depth = min(depth + 1, 2)
-    return depends, depth, opaque, backward
+    return depends, magnitude, depth, opaque, backward
+
+
+def _of(tracer: Any, state: _State) -> _State:
+    """An output's state: a comparison's bool, an index, hold no magnitude of the scale (the
+    predicate of the select a ``max`` or a ``where`` differentiates into)."""
+    if state[1] and not _inexact(tracer):
+        return (state[0], False, *state[2:])
+    return state
 
 
 def carried(roots: Iterable[Any], target: Any) -> Carried:
@@ -202,11 +223,12 @@ def carried(roots: Iterable[Any], target: Any) -> Carried:
     Every operation the roots depend on is visited once (the target's own ancestors aside).
     Rule, per tracer ``t`` made by an operation ``e`` from the tracers ``ins``::
 
-      depends(t) = t is target or any(depends(x) for x in ins)
-      depth(t)   = max(depth(x) for x in ins)
-                   + 1 if e is a backward pass's (and holds no program) and some x in ins
-                       depends on the scale with depth(x) == 0     # the scale enters it
-      opaque(t)  = any(opaque(x)) or (e holds a program and some such x is in ins)
+      depends(t)   = t is target or any(depends(x) for x in ins)
+      magnitude(t) = t is target or (t is floating, e is no sign, any(magnitude(x)))
+      depth(t)     = max(depth(x) for x in ins)
+                     + 1 if e is a backward pass's (and holds no program) and some x in
+                         ins holds the scale's magnitude with depth(x) == 0  # it enters
+      opaque(t)    = any(opaque(x)) or (e holds a program and some such x is in ins)
     """
     goal = id(target.val)
     by_var: dict[int, _State] = {}
@@ -222,7 +244,7 @@ def carried(roots: Iterable[Any], target: Any) -> Carried:
                 continue
             eqn = t.parent
             if key == goal:
-                by_var[key] = (True, 0, False, False)
+                by_var[key] = _TARGET
                 stack.pop()
                 continue
             if eqn is None:
@@ -238,12 +260,12 @@ def carried(roots: Iterable[Any], target: Any) -> Carried:
                     continue
                 done = _combine(eqn, [by_var[id(x.val)] for x in ins])
                 by_eqn[id(eqn)] = done
-            by_var[key] = done
+            by_var[key] = _of(t, done)
             stack.pop()
     states = [by_var[id(t.val)] for t in roots]
     return Carried(
-        depth=max((x[1] for x in states), default=0),
-        forward=any(x[0] and x[1] == 0 for x in states),
-        opaque=any(x[2] for x in states),
-        backward=any(x[3] for x in states),
+        depth=max((x[2] for x in states), default=0),
+        forward=any(x[0] and x[2] == 0 for x in states),
+        opaque=any(x[3] for x in states),
+        backward=any(x[4] for x in states),
     )
