@@ -1,7 +1,10 @@
 """The right wirings never see the wiring check: the patterns a training loop is written in
 (remat, a custom_vjp loss, accumulation in a loop, per-example gradients, gradient penalties,
 two models with a state each, NNX, Linen, Equinox, pmap, shard_map, sharded jit, scanned
-layers), each traced with warnings as errors (the suite's setting) and each checked to train
+remat layers in plain JAX, NNX and Linen, a cond in the loss, a vjp seeded with the scale, a
+scaled loss guarded by a where and a max, clipping at a scaled threshold, a scaled loss
+logged beside value_and_grad), each traced with warnings as errors (the suite's setting) and
+each checked to train
 right: the update of SGD(0.1) is -0.1 times the gradient of the plain loss, taken by
 ``jax.grad`` apart from the step (the scales are powers of two and the loss is float32, so
 scaling and unscaling are exact up to the float32 rounding of the sums).
@@ -345,3 +348,90 @@ def test_a_scaled_loss_guarded_by_a_where_and_a_max():
         return jax.grad(guarded)(p)
 
     _expect_sgd(_update_with(grads), PLAIN)
+
+
+def test_a_cond_in_the_loss_and_a_vjp_seeded_with_the_scale():
+    def branchy(p):
+        h = jax.lax.cond(True, lambda: jnp.tanh(X @ p["w"] + p["b"]), lambda: X @ p["w"])
+        return jnp.mean((h - Y) ** 2)
+
+    def with_cond(p, s):
+        return jax.grad(lambda q: lsj.scale_loss(branchy(q), s))(p)
+
+    def seeded(p, s):  # the scale as the backward pass's seed: loss * scale, differentiated
+        _, pull = jax.vjp(loss_fn, p)
+        return pull(lsj.get_loss_scale_state(s).scale)[0]
+
+    _expect_sgd(_update_with(with_cond), jax.grad(branchy)(PARAMS))
+    _expect_sgd(_update_with(seeded), PLAIN)
+
+
+def test_scanned_remat_layers_in_nnx_and_linen():
+    from flax import linen as nn
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.lin(x))
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def blocks(key):
+        return Block(nnx.Rngs(key))
+
+    class Deep(nnx.Module):
+        def __init__(self):
+            self.blocks = blocks(jax.random.split(K[3], 3))
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.remat
+            def body(h, block):
+                return block(h)
+
+            return body(x, self.blocks)
+
+    def mse(m):
+        return jnp.mean((m(X)[:, :2] - Y) ** 2)
+
+    model = Deep()
+    want = nnx.to_pure_dict(nnx.grad(mse)(model))
+    before = jax.tree_util.tree_map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    opt = lsj.LossScaleOptimizer(model, _sgd(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, lsj.value_and_grad(mse, opt)(model)[1])
+
+    step(model, opt)
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    _expect_sgd(jax.tree_util.tree_map(lambda a, b: a - b, after, before), want)
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(3)(h)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                nn.remat(Cell), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            return scan()(x, None)[0]
+
+    stack = Stack()
+    state = lsj.TrainState.create(
+        apply_fn=stack.apply, params=stack.init(K[3], X)["params"], tx=_sgd()
+    )
+
+    def linen_mse(params):
+        return jnp.mean((state.apply_fn({"params": params}, X)[:, :2] - Y) ** 2)
+
+    new = jax.jit(
+        lambda s: s.apply_gradients(grads=lsj.value_and_grad(linen_mse, s.opt_state)(s.params)[1])
+    )(state)
+    moved = jax.tree_util.tree_map(lambda a, b: a - b, new.params, state.params)
+    _expect_sgd(moved, jax.grad(linen_mse)(state.params))
