@@ -27,7 +27,7 @@ import optax
 
 from lossscale_jax.engine import _check, _devices, _loss_note, _skip, _stuck, _wiring
 from lossscale_jax.engine._policy import LossScalePolicy, check_policy
-from lossscale_jax.engine._state import LossScaleState, record_step
+from lossscale_jax.engine._state import LossScaleState, unlanded_step
 from lossscale_jax.engine._tap_stats import WIDTH, TapStats
 from lossscale_jax.engine._unscale import scale_is_bad, unscale_tree
 from lossscale_jax.errors import StructureError, TapError
@@ -56,19 +56,14 @@ class Check(NamedTuple):
         ``attribution="reduced"``); ``None`` when no record is kept.
       amax: float32 scalar, ``max |scaled g| / (scale * finfo(compute_dtype).max)``
         (the largest over the devices); ``None`` unless the policy measures it.
-      segments: per-layer scaling: ``bool[n + 1]``, a segment overflowed.
-      unlanded: float16 parameters only (``_landing.check_landing``): bool scalar, the
-        update would write inf or nan into one of them (on some device); not an overflow
-        of the gradients. ``None`` where the check did not look.
-      unlanded_flags: ``bool[n]``, which leaves' updates would not land (reduced over the
-        devices as ``flags`` are), or ``None``.
-      float16_leaves: the key paths of the float16 parameters (the messages name them).
+      unlanded, unlanded_flags, float16_leaves: an update would write inf or nan into a
+        float16 parameter (``_landing``; ``None``: unchecked), which leaves, their key paths.
     """
 
     overflow: jax.Array
     flags: jax.Array | None
     amax: jax.Array | None
-    segments: jax.Array | None = None
+    segments: jax.Array | None = None  # per-layer scaling: bool[n + 1], a segment overflowed
     unlanded: jax.Array | None = None
     unlanded_flags: jax.Array | None = None
     float16_leaves: tuple[str, ...] = ()
@@ -225,11 +220,9 @@ class Engine:
     ) -> Check:
         """The overflow check of per-layer scaled ``grads``, per segment, in one all-reduce.
 
-        ``layers`` (a ``LayerMap``) gives each gradient leaf its segment and names the
-        layer taps in forward order; ``scales`` is ``float32[n + 1]``, each segment's
-        cumulative scale (the last, the loss's); ``loss_scale`` is the state's loss scale,
-        the one ``scale_loss`` multiplies the loss by (the wiring check asks the gradients to
-        carry it once; the layers' factors come on top of it). Rule::
+        ``layers`` (a ``LayerMap``) gives each leaf its segment, names the layer taps in
+        forward order; ``scales`` is ``float32[n + 1]``, each segment's cumulative scale
+        (the last, the loss's); ``loss_scale``, the state's, is the wiring check's. Rule::
 
           flags, leaf_max = per-leaf overflow flags and max |g|     # one read of each leaf
           amax[s] = max over leaves of s of leaf_max / (scales[s] * finfo(compute_dtype).max)
@@ -327,19 +320,11 @@ class Engine:
     ) -> tuple[LossScaleState, jax.Array]:
         """``(new loss-scale state, apply)``: the policy's step, and whether to apply.
 
-        Rule::
-
-          new = policy.adjust(loss_scale, check.overflow, check.amax)   # the gradients'
-          if check.unlanded and not new.last_skipped:     # the update cannot land
-              new = loss_scale, the step recorded: skipped, stuck, not an overflow
-                    (the policy's own fields as they were: no scale fixes it)
-          apply = not new.last_skipped
-
-        With ``on_stuck="error"`` a ``checkify`` check fails when the step is stuck (and
-        ``when`` is true: a window's end, for a front-end that decides on every call and
-        keeps the decision only there), with its own message for an update that cannot
-        land. Called outside the skip's branches, so that the check is not run on steps
-        that apply nothing (a select computes both branches).
+        ``apply`` is ``not new_state.last_skipped``; an update that cannot land is skipped
+        (``unlanded_step``). With ``on_stuck="error"`` a ``checkify`` check fails when the
+        step is stuck (and ``when`` is true: a window's end, for a front-end that decides on
+        every call and keeps the decision only there). Called outside the skip's branches, so
+        that the check is not run on steps that apply nothing (a select computes both).
         """
         if self.policy.measures_range:
             new = self.policy.adjust(loss_scale, check.overflow, check.amax)
@@ -347,10 +332,7 @@ class Engine:
             # No amax for a policy that does not read it: a user's policy written with
             # adjust(state, overflow) keeps working.
             new = self.policy.adjust(loss_scale, check.overflow)
-        unlanded = None
-        if check.unlanded is not None:
-            unlanded = jnp.logical_and(check.unlanded, jnp.logical_not(new.last_skipped))
-            new = unlanded_step(loss_scale, new, check.overflow, unlanded)
+        new, unlanded = unlanded_step(loss_scale, new, check.overflow, check.unlanded)
         _stuck.check_stuck(new, self.on_stuck, when, unlanded, check.float16_leaves)
         return new, jnp.logical_not(new.last_skipped)
 
@@ -373,21 +355,6 @@ class Engine:
     def unscale(grads: Any, scale: jax.Array, params: Any = None) -> Any:
         """``grads / scale`` in float32 at least, in the parameters' dtypes."""
         return unscale_tree(grads, scale, params)  # which validates the scale itself
-
-
-def unlanded_step(
-    before: LossScaleState, adjusted: LossScaleState, overflow: jax.Array, unlanded: jax.Array
-) -> LossScaleState:
-    """``adjusted``, or where ``unlanded``: ``before`` with the step recorded as skipped and
-    stuck (not as an overflow of the gradients: ``overflow`` is theirs), the policy's own
-    fields (scale, counters, range, its ``policy_state``) as they were."""
-    if jax.tree_util.tree_structure(before.policy_state) != jax.tree_util.tree_structure(
-        adjusted.policy_state
-    ):  # a state of another policy, conformed by adjust: keep the conformed one
-        before = before.replace(policy_state=adjusted.policy_state)
-    true = jnp.ones([], jnp.bool_)
-    kept = record_step(before, overflow, true, true)
-    return jax.tree_util.tree_map(lambda k, a: jnp.where(unlanded, k, a), kept, adjusted)
 
 
 def skip_updates(shapes: Any) -> Any:

@@ -267,3 +267,29 @@ def with_scale(state: LossScaleState, scale: ArrayLike) -> LossScaleState:
         growth_count=jnp.where(moved, zero, state.growth_count),
         hysteresis_count=jnp.where(moved, zero, state.hysteresis_count),
     )
+
+
+def unlanded_step(
+    before: LossScaleState, adjusted: LossScaleState, overflow: jax.Array, cannot_land: Any
+) -> tuple[LossScaleState, jax.Array | None]:
+    """``(state, unlanded)``: a step whose update cannot land in float16 parameters.
+
+    Rule (``cannot_land``: the landing check's bool, ``None`` where it did not look)::
+
+      unlanded = cannot_land and not adjusted.last_skipped   # the policy would apply
+      state = before, the step recorded skipped and stuck (not as an overflow: overflow is
+              the gradients'), the policy's own fields (scale, counters, range,
+              policy_state) as they were: no scale changes where an update lands
+              if unlanded else adjusted
+    """
+    if cannot_land is None:
+        return adjusted, None
+    unlanded = jnp.logical_and(cannot_land, jnp.logical_not(adjusted.last_skipped))
+    if jax.tree_util.tree_structure(before.policy_state) != jax.tree_util.tree_structure(
+        adjusted.policy_state
+    ):  # a state of another policy, conformed by adjust: keep the conformed one
+        before = before.replace(policy_state=adjusted.policy_state)
+    true = jnp.ones([], jnp.bool_)
+    kept = record_step(before, overflow, true, true)
+    state = jax.tree_util.tree_map(lambda k, a: jnp.where(unlanded, k, a), kept, adjusted)
+    return state, unlanded

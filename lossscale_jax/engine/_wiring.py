@@ -171,8 +171,9 @@ def check_update(grads: Any, scale: Any, where: str, policy: Any) -> None:
             "twice: the loss was multiplied by it more than once before the backward pass "
             "(lsj.scale_loss and a multiplication by the scale read by hand, or lsj.scale_loss "
             "of a value that already holds it), so every update would be too large by the "
-            f"scale ({_in_force(policy)}), e.g. 256 times once it has backed off to 2**8. "
-            "Scale the loss once: lsj.scale_loss(loss, opt_state) of the plain loss, or "
+            f"scale ({_in_force(policy)}"
+            + (", e.g. 256 times once it is 2**8" if policy.constant_scale is None else "")
+            + "). Scale the loss once: lsj.scale_loss(loss, opt_state) of the plain loss, or "
             "lsj.value_and_grad(loss_fn, opt_state)."
         )
     if seen.depth == 1 or seen.opaque:

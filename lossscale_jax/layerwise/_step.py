@@ -24,12 +24,16 @@ from lossscale_jax.engine._engine import (
     check_state,
     inner_or_skip,
     skip_updates,
-    unlanded_step,
 )
 from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import refuse_nested_state
 from lossscale_jax.engine._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
-from lossscale_jax.engine._state import LossScaleState, initial_state, record_step
+from lossscale_jax.engine._state import (
+    LossScaleState,
+    initial_state,
+    record_step,
+    unlanded_step,
+)
 from lossscale_jax.engine._unscale import inverse, unscale_leaf
 from lossscale_jax.engine._window import acc_zeros, add_good, cleared, mean_of
 from lossscale_jax.layerwise._map import LayerMap
@@ -127,10 +131,8 @@ class LayerwiseStep:
             growth_count=new.growth_count[n],
             hysteresis_count=jnp.zeros([], jnp.int32),
         )
-        unlanded = None
-        if check.unlanded is not None:  # an update that cannot land: no segment's scale moves
-            unlanded = jnp.logical_and(check.unlanded, jnp.logical_not(overflow))
-            loss_scale = unlanded_step(state.loss_scale, loss_scale, overflow, unlanded)
+        loss_scale, unlanded = unlanded_step(state.loss_scale, loss_scale, overflow, check.unlanded)
+        if unlanded is not None:  # an update that cannot land: no segment's scale moves
             new = jax.tree_util.tree_map(
                 lambda old, moved: jnp.where(unlanded, old, moved), state.layers, new
             )
