@@ -14,8 +14,14 @@ What it models, per call (``every_k`` micro-batches per window)::
   window: overflow |= found; record |= flags; range = max(range, amax)
   if not found: acc += unscale(g)               # a bad micro-batch is left out
   last micro-batch of the window:
+      mean = acc * float32(1/k) (k > 1) or unscale(g)
+      landing[leaf] = the update of mean would make a float16 parameter inf or nan
+                      (and the scale is finite and > 0)
       loss_scale = policy(loss_scale, window overflow, window range)
-      if not skipped: updates, inner = inner(acc * float32(1/k) (k > 1) or unscale(g))
+      if any(landing) and not skipped:             # unlanded: not an overflow
+          loss_scale = as before the policy, the step recorded skipped and stuck
+      if not window overflow: record |= landing
+      if not skipped: updates, inner = inner(mean)
       else: updates = -0.0, inner unchanged
       record = the window's flags; the window starts afresh
   otherwise: updates = -0.0
@@ -26,6 +32,7 @@ The inner transformation is ``counting_sgd``'s rule: ``updates = g * -0.5`` (in 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,16 +326,21 @@ class Reference:
                 (a * f32(1.0 / self.k).astype(a.dtype)).astype(p.dtype)
                 for a, p in zip(self.acc, self.params, strict=True)
             ]
-        # Where the update would land (engine/_landing.py): a float16 parameter it would make
-        # inf or nan is that leaf's overflow, before the decision.
+        # Where the update would land (metrics' "unlanded"): a float16 parameter it would make
+        # inf or nan stops the step, though the gradients did not overflow.
         landing = np.array([landing_flag(p, m) for p, m in zip(self.params, mean, strict=True)])
         landing &= not scale_is_bad(scale)  # then the overflow is the scale's, no leaf's
-        self.window_overflow |= bool(landing.any())
-        self.window_record |= landing
+        before = copy.deepcopy(self.ls)
         self.rule(self.policy, self.ls, self.window_overflow, self.window_range)
+        if landing.any() and not self.ls.last_skipped:  # the scale stays: no scale fixes it
+            self.ls = before
+            self.ls.record(self.window_overflow, True, True)
+        if not self.window_overflow:
+            self.window_record |= landing
         skipped = self.ls.last_skipped
         for inner, members in zip(self.inner, self.groups, strict=True):
-            mine = bool(self.window_record[members].any()) or scale_is_bad(scale)
+            blocked = self.window_record[members].any() or landing[members].any()
+            mine = bool(blocked) or scale_is_bad(scale)
             if skipped and mine:  # a group is skipped for its own overflow
                 continue
             inner.count = sat_inc(inner.count)
@@ -361,6 +373,7 @@ class Reference:
             "overflow": s.last_overflow,
             "skipped": s.last_skipped,
             "stuck": s.stuck,
+            "unlanded": s.last_skipped and not s.last_overflow,
             "total_steps": s.total_steps,
             "overflow_steps": s.overflow_steps,
             "skipped_steps": s.skipped_steps,

@@ -320,6 +320,7 @@ def test_metrics_values():
         "overflow": jnp.bool_,
         "skipped": jnp.bool_,
         "stuck": jnp.bool_,
+        "unlanded": jnp.bool_,
         "total_steps": jnp.int32,
         "overflow_steps": jnp.int32,
         "skipped_steps": jnp.int32,

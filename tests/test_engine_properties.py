@@ -55,7 +55,7 @@ MODES = ("ieee", "saturating", "both")
 # Leaf order (tree_leaves, sorted keys): b (float32), h (float16), w (float32).
 PARAMS = {
     "b": np.array([-0.0, 0.5], np.float32),
-    "h": np.array([0.25, -0.0, 1.0], np.float16),
+    "h": np.array([0.25, -0.0, -64000.0], np.float16),  # near the top: an update may not land
     "w": np.array([[0.25, -0.0, 0.0], [1.0, -0.5, 0.75]], np.float32),
 }
 # The gradients' dtypes: float16 for b and h (taken w.r.t. float16 copies), float32 for w
@@ -469,34 +469,70 @@ def param_ulps(front: FrontEnd) -> int:
     return 2 if front.every_k > 1 and skip_formulation() == "select" else 0
 
 
+def run_against_reference(front: FrontEnd, name: str, policy_name: str, batches: list) -> None:
+    """``batches`` through ``front`` and the reference, in every mode, compared after each."""
+    leaves = [PARAMS[k] for k in NAMES]
+    ulps = param_ulps(front)
+    carry = front.init()
+    refs = {
+        m: Reference(
+            POLICIES[policy_name], leaves, mode=m, every_k=front.every_k, groups=front.groups
+        )
+        for m in MODES
+    }
+    for t, grads in enumerate(batches):
+        carry = front.step(carry, _to_device(grads))
+        for m in MODES:
+            before = [np.array(p) for p in refs[m].params]
+            refs[m].step([grads[k] for k in NAMES])
+            where = f"{name}/{policy_name}/{m} call {t}"
+            view = front.view(carry[m], m)
+            _compare(view, refs[m], where, ulps, before if ulps else None)
+            if ulps:  # each window within ulps of the reference's step from the same point
+                refs[m].params = [np.array(p) for p in view.params]
+
+
 def check_front_end(front: FrontEnd, name: str, policy_name: str) -> None:
     allow_nan = not POLICIES[policy_name].measures_range  # the range of a nan: unspecified
-    leaves = [PARAMS[k] for k in NAMES]
-
-    ulps = param_ulps(front)
 
     @settings(max_examples=6, deadline=None)
     @given(micro_batches(allow_nan))
     def check(batches):
-        carry = front.init()
-        refs = {
-            m: Reference(
-                POLICIES[policy_name], leaves, mode=m, every_k=front.every_k, groups=front.groups
-            )
-            for m in MODES
-        }
-        for t, grads in enumerate(batches):
-            carry = front.step(carry, _to_device(grads))
-            for m in MODES:
-                before = [np.array(p) for p in refs[m].params]
-                refs[m].step([grads[k] for k in NAMES])
-                where = f"{name}/{policy_name}/{m} call {t}"
-                view = front.view(carry[m], m)
-                _compare(view, refs[m], where, ulps, before if ulps else None)
-                if ulps:  # each window within ulps of the reference's step from the same point
-                    refs[m].params = [np.array(p) for p in view.params]
+        run_against_reference(front, name, policy_name, batches)
 
     check()
+
+
+def _landing_batches(every_k: int) -> list:
+    """Windows of small gradients, then one whose h gradient is 65504 where h is -64000: the
+    update -0.5 * 65504 / scale lands -inf at a scale under about 21 (NoScale, StaticScale(4),
+    DynamicScale at 2**4) in ieee mode, where 65504 is no overflow; then good windows again."""
+    small = {k: np.full(PARAMS[k].shape, 0.25, GRAD_DTYPES[k]) for k in NAMES}
+    far = {k: v.copy() for k, v in small.items()}
+    far["h"].reshape(-1)[2] = 65504.0
+    return [small] * every_k + [far] * every_k + [small] * (2 * every_k)
+
+
+# An update that cannot land (metrics' "unlanded"): skipped and stuck, not an overflow, the
+# policy's scale and counters kept; every front-end against the reference, step for step.
+@pytest.mark.parametrize("policy_name", ["no_scale", "static_4", "dynamic", "static_8_no_skip"])
+@pytest.mark.parametrize("name", sorted(FRONT_ENDS))
+def test_an_update_that_cannot_land_matches_the_reference(name, policy_name):
+    front = front_end(name, policy_name)
+    batches = _landing_batches(front.every_k)
+    run_against_reference(front, name, policy_name, batches)
+    ref = Reference(
+        POLICIES[policy_name],
+        [PARAMS[k] for k in NAMES],
+        mode="ieee",
+        every_k=front.every_k,
+        groups=front.groups,
+    )
+    unlanded = []
+    for grads in batches:
+        ref.step([grads[k] for k in NAMES])
+        unlanded.append(ref.metrics()["unlanded"])
+    assert any(unlanded), "the batches must reach the unlanded path"  # the test's premise
 
 
 def _fused_step():

@@ -918,6 +918,33 @@ CASES += [
         "lsj.scale_loss was given a loss that already went through lsj.scale_loss in this step",
     ),
     (
+        "a scaled loss only logged",
+        lambda: _wired("logged"),
+        ValueError,
+        "loss_scaling: the gradients given to update are not the backward pass of the loss "
+        "lsj.scale_loss scaled in this step",
+    ),
+    (
+        "unscaled gradients clipped at a scaled threshold",
+        lambda: _wired("clipped"),
+        ValueError,
+        "loss_scaling: the gradients given to update depend on the optimizer state's loss "
+        "scale only after their backward pass",
+    ),
+    (
+        "a scale multiplied by hand beside scale_loss",
+        lambda: _wired("by_hand"),
+        ValueError,
+        "loss_scaling: the gradients given to update carry the optimizer state's loss scale twice",
+    ),
+    (
+        "two models' states swapped",
+        lambda: _wired("swapped"),
+        ValueError,
+        "loss_scaling: the gradients given to update are scaled by another optimizer state's "
+        "loss scale, while this state's scale scaled another loss of the same step",
+    ),
+    (
         "a scale frozen into the trace",
         lambda: _wired("frozen"),
         ValueError,
@@ -959,11 +986,25 @@ def _wired(mistake):
         return jnp.sum(p["w"] ** 2)
 
     def step(p, s):
+        scale = lsj.get_loss_scale_state(s).scale
         if mistake == "int":
             return tx.update({"w": jnp.ones(2, jnp.int32)}, s, p)
+        if mistake == "logged":  # the unscaled loss's gradients; the scaled loss for the logs
+            value, grads = jax.value_and_grad(loss)(p)
+            logged = lsj.scale_loss(value, s)
+            return tx.update(grads, s, p), logged
+        if mistake == "clipped":  # PyTorch's clip at max_norm * scale, of unscaled gradients
+            clip = optax.clip_by_global_norm(1.0 * scale)
+            return tx.update(clip.update(jax.grad(loss)(p), clip.init(p))[0], s, p)
+        if mistake == "swapped":  # a second model, each loss scaled with the other's state
+            other = tx.init(p)
+            first = jax.grad(lambda q: lsj.scale_loss(loss(q), other))(p)
+            second = jax.grad(lambda q: lsj.scale_loss(2 * loss(q), s))(p)
+            return tx.update(first, s, p), tx.update(second, other, p)
         scaled = {
             "unscaled": loss,
             "twice": lambda q: lsj.scale_loss(lsj.scale_loss(loss(q), s), s),
+            "by_hand": lambda q: lsj.scale_loss(loss(q), s) * scale,
             "frozen": lambda q: lsj.scale_loss(loss(q), state),  # the outer state
         }[mistake]
         return tx.update(jax.grad(scaled)(p), s, p)

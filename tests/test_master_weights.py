@@ -2,10 +2,12 @@
 ``lsj.master_weights`` (float32 master copies in the optimizer state) trains them like float32
 master weights.
 
-The case a user met (issue 44): a small MLP with float16 parameters under
+The case users met: a small MLP with float16 parameters under
 ``optax.adam(1e-3, eps=1e-8)``. eps is 0 in float16 and the second moment underflows, so the
 first applied step wrote inf into the parameters; every later step overflowed, the scale fell
-to 1 and the loss was nan. The reference here is the same MLP trained with float32 master
+to 1 and the loss was nan. Now no such update lands: the step is skipped and reported as
+unlanded (not as an overflow of the gradients), and ``on_stuck="error"`` names the leaves and
+``lsj.master_weights``. The reference here is the same MLP trained with float32 master
 weights and float16 compute (the README's step).
 """
 
@@ -78,11 +80,63 @@ def test_float16_params_under_adam_never_get_a_non_finite_value(reference):
         params, state, losses, finite = train(P16, tx)  # its init warns
     assert finite  # before: inf in 110 parameters after the first applied step
     m = lsj.metrics(state)
-    # Every update would land inf or nan: every step is skipped, the scale falls to its floor.
-    assert int(m["skipped_steps"]) == STEPS and bool(m["stuck"])
+    # Every update would land inf or nan: every step is skipped as unlanded (stuck: no scale
+    # fixes it), none counted as an overflow of the gradients.
+    assert int(m["skipped_steps"]) == STEPS and bool(m["stuck"]) and bool(m["unlanded"])
+    assert int(m["overflow_steps"]) == 0
     # The leaves named are those the update would have overflowed (not the finite gradients).
     assert lsj.overflowed_leaves(state, params)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), params, P16)
+
+
+def test_float16_adam_is_reported_as_unlanded_not_as_gradient_overflow():
+    # 30 steps of float16 parameters under optax.adam: every update would land inf or nan.
+    # Each step is skipped as unlanded (and stuck: no scale fixes it), not as an overflow of
+    # the gradients (they are finite): overflow_rate 0 and the scale stays where it was,
+    # where it used to fall to 1 within 15 steps with overflow_rate 1.00.
+    tx = lsj.loss_scaling(adam(), lsj.DynamicScale())
+    with pytest.warns(Float16OptimizerWarning, match="lsj.master_weights"):
+        params, state, _, finite = train(P16, tx, steps=30)
+    m = lsj.metrics(state)
+    assert finite and int(m["skipped_steps"]) == 30 and int(m["total_steps"]) == 30
+    assert bool(m["unlanded"]) and bool(m["stuck"]) and not bool(m["overflow"])
+    assert int(m["overflow_steps"]) == 0 and float(m["overflow_rate"]) == 0.0
+    assert float(m["recent_overflow_rate"]) == 0.0
+    assert float(m["loss_scale"]) == 2.0**15  # DynamicScale's start: nothing moved it
+    assert lsj.overflowed_leaves(state, params)  # the leaves whose update would not land
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), params, P16)
+
+
+def test_on_stuck_error_names_the_float16_leaves_and_master_weights():
+    from jax.experimental import checkify
+
+    tx = lsj.loss_scaling(adam(), lsj.DynamicScale(), on_stuck="error")
+    with pytest.warns(Float16OptimizerWarning):
+        state = tx.init(P16)
+
+    @jax.jit
+    @checkify.checkify
+    def step(params, state, x, y):
+        _, grads = lsj.value_and_grad(loss_fn, state)(params, x, y)
+        return tx.update(grads, state, params)
+
+    err, (_, state) = step(P16, state, X[:32], Y[:32])
+    message = err.get()
+    assert message is not None and "cannot land the update (step 1)" in message
+    assert "['b1'], ['b2'], ['w1'], ['w2']" in message
+    assert "lsj.loss_scaling(lsj.master_weights(inner), policy)" in message
+    assert "stuck: the gradients overflowed" not in message  # not the scale's message
+    # With master copies: it lands, nothing to report.
+    masters = lsj.loss_scaling(lsj.master_weights(adam()), lsj.DynamicScale(), on_stuck="error")
+
+    @jax.jit
+    @checkify.checkify
+    def good(params, state, x, y):
+        _, grads = lsj.value_and_grad(loss_fn, state)(params, x, y)
+        return masters.update(grads, state, params)
+
+    err, (_, state) = good(P16, masters.init(P16), X[:32], Y[:32])
+    assert err.get() is None and not bool(lsj.metrics(state)["skipped"])
 
 
 @pytest.mark.slow
@@ -202,7 +256,9 @@ def test_every_front_end_keeps_non_finite_values_out_of_float16_params(front):
             _, g, taps = lsj.layerwise.value_and_grad(scaled, layers, state)(params)
             new, state = lsj.apply_gradients(tx, g, state, params, taps=taps)
     assert all_finite(new)
-    assert bool(lsj.get_loss_scale_state(state).last_skipped)
+    m = lsj.metrics(state)
+    assert bool(m["skipped"]) and bool(m["unlanded"]) and not bool(m["overflow"])
+    assert int(m["overflow_steps"]) == 0 and float(m["loss_scale"]) == 1.0  # kept
     assert lsj.overflowed_leaves(state, params) == ["['w']"]
 
 
@@ -223,6 +279,18 @@ def test_torch_multi_optimizer_keeps_non_finite_values_out_of_float16_params():
     assert all_finite(new) and new["h"].tolist() == params["h"].tolist()
     assert new["w"].tolist() == [0.0, 0.0]  # the other optimizer stepped
     assert lsj.overflowed_leaves(state, params) == ["['h']"]
+    assert bool(lsj.metrics(state)["unlanded"]) and not bool(lsj.metrics(state)["overflow"])
+    # The gradients overflow in w's partition and h's update cannot land: both skipped (h
+    # for its own landing, although the overflow is w's), the record names w's overflow.
+    bad = {**grads, "w": jnp.array([jnp.inf, 1.0], jnp.float16)}
+    with pytest.warns(Float16OptimizerWarning):
+        fresh = tx.init(params)
+    updates, state = tx.update(bad, fresh, params)
+    new = optax.apply_updates(params, updates)
+    assert all_finite(new) and new["h"].tolist() == params["h"].tolist()
+    assert new["w"].tolist() == params["w"].tolist()
+    assert lsj.overflowed_leaves(state, params) == ["['w']"]
+    assert bool(lsj.metrics(state)["overflow"]) and not bool(lsj.metrics(state)["unlanded"])
 
 
 def test_an_nnx_model_with_float16_params_trains_through_master_weights():

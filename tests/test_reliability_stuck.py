@@ -98,6 +98,52 @@ def test_on_stuck_error_in_the_accumulating_form():
     assert "stuck" in err.get()
 
 
+@pytest.mark.parametrize("front", ["loss_scaling", "fused", "multi_steps", "layerwise"])
+def test_on_stuck_error_names_an_update_that_cannot_land(front):
+    # A float16 parameter near the top of its range, an SGD step that would take it past
+    # 65504: the step is skipped as unlanded, and on_stuck="error" says so, naming the leaf
+    # and lsj.master_weights, on the step that decides (a window's end) and no other.
+    params = {"h": jnp.array([62000.0, 1.0], jnp.float16), "w": jnp.ones(2)}
+    grads = {"h": jnp.array([-4096.0, 0.0], jnp.float16), "w": jnp.ones(2, jnp.float16)}
+    with pytest.warns(lsj.errors.Float16OptimizerWarning, match=r"\['h'\]"):
+        if front == "layerwise":
+
+            def lw_loss(p):  # d loss / d h = grads["h"], through one layer tap
+                return jnp.sum(lsj.tap(p["h"], "l0") * grads["h"]) + jnp.sum(p["w"])
+
+            layers = lsj.layerwise.discover(lw_loss, params)
+            policy = lsj.HeadroomScale(init_scale=1.0, min_scale=1.0)
+            tx = lsj.layerwise_scaling(optax.sgd(1.0), layers, policy, on_stuck="error")
+        elif front == "multi_steps":
+            tx = lsj.loss_scaling_multi_steps(
+                optax.sgd(1.0), lsj.StaticScale(1.0), 2, on_stuck="error"
+            )
+        else:
+            tx = lsj.loss_scaling(
+                optax.sgd(1.0), lsj.DynamicScale(init_scale=1.0), on_stuck="error"
+            )
+        state = tx.init(params)
+    if front == "layerwise":
+        scaled = lambda p, s: lsj.scale_loss(lw_loss(p), s)  # noqa: E731
+        _, grads, taps = lsj.layerwise.value_and_grad(scaled, layers, state)(params, state)
+        run = lambda g, s, p: lsj.apply_gradients(tx, g, s, p, taps=taps)  # noqa: E731
+    elif front == "fused":
+        run = lambda g, s, p: lsj.apply_gradients(tx, g, s, p)  # noqa: E731
+    else:
+        run = lambda g, s, p: tx.update(g, s, p)  # noqa: E731
+    step = jax.jit(checkify.checkify(run))
+    if front == "multi_steps":  # mid-window: nothing decided, nothing said
+        err, (_, state) = step(grads, state, params)
+        assert err.get() is None
+    err, (out, state) = step(grads, state, params)
+    message = err.get()
+    assert message is not None and "cannot land the update" in message
+    assert "float16 parameters (of ['h']" in message and "lsj.master_weights(inner)" in message
+    m = lsj.metrics(state)
+    assert bool(m["unlanded"]) and bool(m["stuck"]) and not bool(m["overflow"])
+    assert float(m["loss_scale"]) == 1.0 and int(m["overflow_steps"]) == 0
+
+
 @pytest.mark.parametrize("bad", ["raise", None, True, "Skip"])
 def test_on_stuck_is_validated(bad):
     with pytest.raises(ValueError, match="on_stuck"):

@@ -1,16 +1,22 @@
 """The wiring check: the wirings a training loop invites that would train silently wrong are
 refused while the step is traced, and the right ones never see a message.
 
-Each refused case is the one a user met (issue 44): gradients of a loss that was never
-scaled, a loss scaled twice, a scale frozen into the trace, integer gradient leaves. The
-numbers in the comments are what the step did before the check (derived by hand: SGD's
-update is -lr * g, divided by the scale when the loss was not multiplied by it). The suite
+Each refused case is one users met: gradients of a loss that was never scaled (also when
+``scale_loss`` is called in the step only to log the scaled loss, or when the scale reaches
+the gradients only through a clipping threshold), a loss scaled twice (also by a hand-written
+multiplication after ``scale_loss``), two models' states swapped, a scale frozen into the
+trace, integer gradient leaves. The numbers in the comments are what the step did without
+the check (derived by hand: SGD's update is -lr * g, divided by the scale when the loss was
+not multiplied by it); the new cases measure them with the check switched off. The suite
 runs with warnings as errors, so every step here that is not expected to warn would fail if
-it did.
+it did; tests/test_wiring_right.py holds the right wirings of many frameworks and patterns.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import types
 import warnings
 
 import jax
@@ -215,6 +221,165 @@ def test_an_integer_gradient_leaf_is_refused():
     np.testing.assert_allclose(np.asarray(updates["w"]), [-0.2, -0.1, -0.0], rtol=1e-6)
 
 
+# -- 5. the gradients must be the backward pass of the loss scale_loss scaled, once ---------
+
+
+@contextlib.contextmanager
+def _unchecked():
+    """The check blind (what a JAX without the internals it reads would do): the step as it
+    trains without the check, to measure what the check prevents."""
+    saved = _tracers.AVAILABLE
+    _tracers.AVAILABLE = False
+    try:
+        yield
+    finally:
+        _tracers.AVAILABLE = saved
+
+
+def loss32(p, x=X):
+    """``loss_fn`` in float32: no overflow, whatever the scale, to measure ratios on."""
+    return jnp.mean((x @ p["w"] + p["b"]) ** 2)
+
+
+def _ratio(step, tx, params=PARAMS):
+    """The step's SGD updates over the right ones (-0.1 times the gradients of ``loss32``),
+    measured with the check off (traced anew: a wrapper JAX has not cached): one number for
+    every entry."""
+    with _unchecked():
+        updates, _ = jax.jit(lambda *a: step(*a))(params, tx.init(params))
+    want = jax.grad(loss32)(params)
+    ratios = np.concatenate(
+        [np.ravel(np.asarray(updates[k]) / (-0.1 * np.asarray(want[k]))) for k in want]
+    )
+    np.testing.assert_allclose(ratios, ratios[0], rtol=1e-3)
+    return float(ratios[0])
+
+
+def test_a_scaled_loss_only_logged_is_refused():
+    # The gradients of the unscaled loss, scale_loss called only for the logged value: each
+    # update 1/4096 of the right one at 2**12.
+    tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**12))
+
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(loss32)(params)
+        logged = lsj.scale_loss(loss, opt_state)  # for the logs
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return updates, (opt_state, logged)
+
+    assert _ratio(step, tx) == pytest.approx(2.0**-12, rel=1e-3)
+    with pytest.raises(WiringError, match="not the backward pass of the loss") as e:
+        jax.jit(step)(PARAMS, tx.init(PARAMS))
+    assert "too small by the scale (2**12 at this DynamicScale's start" in str(e.value)
+    assert "lsj.value_and_grad(loss_fn, opt_state)" in str(e.value)
+
+
+def test_unscaled_gradients_clipped_at_a_scaled_threshold_are_refused():
+    # PyTorch's habit: clip at max_norm * loss scale. The threshold reads the scale, the
+    # gradients do not carry it: 1/4096 at 2**12 (the clip does not bind here).
+    tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**12))
+
+    def step(params, opt_state):
+        scale = lsj.get_loss_scale_state(opt_state).scale
+        grads = jax.grad(loss32)(params)
+        clip = optax.clip_by_global_norm(1.0 * scale)
+        grads, _ = clip.update(grads, clip.init(params))
+        return tx.update(grads, opt_state, params)
+
+    assert _ratio(step, tx) == pytest.approx(2.0**-12, rel=1e-3)
+    with pytest.raises(WiringError, match="only after their backward pass") as e:
+        jax.jit(step)(PARAMS, tx.init(PARAMS))
+    assert "optax.clip_by_global_norm(max_norm), inner)" in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_a_scale_multiplied_by_hand_besides_scale_loss_is_refused(where):
+    # scale_loss(loss, s) * s's scale (or scale_loss of loss * scale): scaled twice, every
+    # update too large by the scale: 256x once DynamicScale has backed off to 2**8.
+    policy = lsj.DynamicScale(init_scale=2.0**8)
+    tx = lsj.loss_scaling(optax.sgd(0.1), policy)
+
+    def twice(p, s):
+        scale = lsj.get_loss_scale_state(s).scale
+        if where == "after":
+            return lsj.scale_loss(loss32(p), s) * scale
+        return lsj.scale_loss(loss32(p) * scale, s)
+
+    def step(params, opt_state):
+        return tx.update(jax.grad(lambda p: twice(p, opt_state))(params), opt_state, params)
+
+    assert _ratio(step, tx) == pytest.approx(2.0**8, rel=1e-3)
+    with pytest.raises(WiringError, match="carry the optimizer state's loss scale twice") as e:
+        jax.jit(step)(PARAMS, tx.init(PARAMS))
+    assert "2**8 at this DynamicScale's start" in str(e.value)
+
+
+def _gan(swap):
+    """Two models, a state each (G's scale 2**8, D's 2**4): each loss scaled with its own
+    state, or with the other's (``swap``), and both updated."""
+    g_tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**8))
+    d_tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**4))
+
+    def step(g, d, gs, ds):
+        d_state, g_state = (gs, ds) if swap else (ds, gs)
+        d_grads = jax.grad(lambda q: lsj.scale_loss(loss32(q), d_state))(d)
+        g_grads = jax.grad(lambda q: lsj.scale_loss(loss32(q, 2 * X), g_state))(g)
+        d_up, ds = d_tx.update(d_grads, ds, d)
+        g_up, gs = g_tx.update(g_grads, gs, g)
+        return d_up, g_up
+
+    return step, (PARAMS, PARAMS, g_tx.init(PARAMS), d_tx.init(PARAMS))
+
+
+def test_two_models_with_swapped_states_are_refused():
+    # D's loss scaled with G's state and the reverse: D's updates 16x too large, G's 1/16.
+    step, args = _gan(swap=True)
+    with _unchecked():
+        d_up, g_up = jax.jit(lambda *a: step(*a))(*args)
+    d_want, g_want = jax.grad(loss32)(PARAMS), jax.grad(loss32)(PARAMS, 2 * X)
+    np.testing.assert_allclose(d_up["w"], -0.1 * 16 * d_want["w"], rtol=1e-5)
+    np.testing.assert_allclose(g_up["w"], -0.1 / 16 * g_want["w"], rtol=1e-5)
+    with pytest.raises(WiringError, match="the two states are swapped"):
+        jax.jit(step)(*args)
+    right, args = _gan(swap=False)
+    d_up, g_up = jax.jit(right)(*args)  # each its own: no message
+    np.testing.assert_allclose(d_up["w"], -0.1 * d_want["w"], rtol=1e-5)
+
+
+def test_one_state_scaling_both_losses_warns():
+    # G's state for both losses (D's state read by no scale_loss): right only while the two
+    # scales are equal, which the trace cannot tell.
+    g_tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**8))
+    d_tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**4))
+
+    @jax.jit
+    def step(g, d, gs, ds):
+        d_grads = jax.grad(lambda q: lsj.scale_loss(loss_fn(q), gs))(d)
+        g_grads = jax.grad(lambda q: lsj.scale_loss(loss_fn(q), gs))(g)
+        return d_tx.update(d_grads, ds, d)[0], g_tx.update(g_grads, gs, g)[0]
+
+    with pytest.warns(WiringWarning, match="another state's scale"):
+        step(PARAMS, PARAMS, g_tx.init(PARAMS), d_tx.init(PARAMS))
+
+
+def test_the_refusal_names_the_policys_scale_and_tunix_where_it_is_imported(monkeypatch):
+    def step_of(tx):
+        return jax.jit(lambda p, s: tx.update(jax.grad(loss_fn)(p), s, p))
+
+    tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**10))
+    with pytest.raises(WiringError) as e:
+        step_of(tx)(PARAMS, tx.init(PARAMS))
+    assert "(2**10 at this DynamicScale's start" in str(e.value)
+    assert "2**15" not in str(e.value) and "tunix" not in str(e.value)
+    static = lsj.loss_scaling(optax.sgd(0.1), lsj.StaticScale(64.0))
+    with pytest.raises(WiringError, match=r"too small by the scale \(2\*\*6, StaticScale's\)"):
+        step_of(static)(PARAMS, static.init(PARAMS))
+    # A trainer's step (grad of an unscaled loss) with Tunix imported: its integration named.
+    monkeypatch.setitem(sys.modules, "tunix", types.ModuleType("tunix"))
+    with pytest.raises(WiringError) as e:
+        step_of(tx)(PARAMS, tx.init(PARAMS))
+    assert "lossscale_jax.integrations.tunix.enable(trainer)" in str(e.value)
+
+
 # -- the right wirings see nothing ---------------------------------------------------------
 
 
@@ -312,23 +477,61 @@ def test_gradients_scaled_with_another_state_of_the_step_warn():
         step(PARAMS, tx.init(PARAMS))
 
 
-def test_the_check_changes_no_program():
-    # The right wiring's program is the same with and without the check looking at it: the
-    # check only reads the trace.
-    tx = _sgd()
-    state = tx.init(PARAMS)
+def _window_step():
+    """Micro-batch gradients all taken with the window's first state (the warned wiring)."""
+    acc = lsj.loss_scaling_multi_steps(optax.sgd(0.1), lsj.DynamicScale(), every_k=2)
 
     def step(params, opt_state):
-        grads = jax.grad(lambda p: lsj.scale_loss(loss_fn(p), opt_state))(params)
-        return tx.update(grads, opt_state, params)
+        first = opt_state
+        for x in (X, 2 * X):
+            g = jax.grad(lambda p, x=x: lsj.scale_loss(loss_fn(p, x), first))(params)
+            _, opt_state = acc.update(g, opt_state, params)
+        return opt_state
 
-    with_check = str(jax.make_jaxpr(step)(PARAMS, state))
-    saved = _tracers.AVAILABLE
-    try:
-        _tracers.AVAILABLE = False  # the check sees nothing
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            without = str(jax.make_jaxpr(step)(PARAMS, state))
-    finally:
-        _tracers.AVAILABLE = saved
+    return step, acc.init(PARAMS), PARAMS
+
+
+def _right_step(policy=None, params=PARAMS, inner=None):
+    tx = lsj.loss_scaling(inner or optax.sgd(0.1), policy or lsj.DynamicScale(init_scale=2.0**10))
+
+    def step(params, opt_state):
+        loss, grads = lsj.value_and_grad(loss_fn, opt_state)(params)
+        return tx.update(grads, opt_state, params), loss
+
+    with warnings.catch_warnings():  # float16 parameters: the init's Float16OptimizerWarning
+        warnings.simplefilter("ignore")
+        return step, tx.init(params), params
+
+
+PROGRAMS = {
+    "right": _right_step,
+    "headroom": lambda: _right_step(lsj.HeadroomScale()),
+    "float16 parameters (the landing check)": lambda: _right_step(
+        params=jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), PARAMS),
+        inner=optax.adam(1e-3),
+    ),
+    "warned window": _window_step,
+    "two models": lambda: _two_models(),  # defined below
+}
+
+
+def _two_models():
+    """The GAN's step, each loss scaled with its own model's state, as (params, states)."""
+    run, (g, d, gs, ds) = _gan(swap=False)
+    return (lambda p, s: run(p[0], p[1], s[0], s[1])), (gs, ds), (g, d)
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_the_check_changes_no_program(name):
+    # A step's program is the same with and without the check looking at it (a right
+    # wiring, one that warns): the check only reads the trace. make_jaxpr traces anew each
+    # time (no cache).
+    step, state, params = PROGRAMS[name]()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with_check = str(jax.make_jaxpr(step)(params, state))
+    assert [w.category for w in seen] == ([WiringWarning] if name == "warned window" else [])
+    with _unchecked(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the check sees nothing: no warning
+        without = str(jax.make_jaxpr(step)(params, state))
     assert with_check == without

@@ -19,11 +19,16 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     Keys:
 
     - ``loss_scale`` (float32);
-    - ``overflow``, ``skipped``, ``stuck`` (bool, the last step; ``stuck``: it
-      overflowed with the scale already at its floor);
+    - ``overflow``, ``skipped``, ``stuck``, ``unlanded`` (bool, the last step;
+      ``overflow``: its gradients overflowed; ``unlanded``: it was skipped although they
+      did not, because its update would have written inf or nan into a float16 parameter
+      (an inner optimizer that runs in float16: ``lsj.master_weights`` fixes it);
+      ``stuck``: no loss scale fixes the skip, the gradients overflowed with the scale
+      already at its floor, or the step is unlanded);
     - ``total_steps``, ``overflow_steps``, ``skipped_steps`` (int32);
     - ``overflow_rate`` (float32): ``overflow_steps / total_steps``, 0 before
-      the first step (rounded once, as IEEE divides, on every backend);
+      the first step (rounded once, as IEEE divides, on every backend): the
+      gradients' overflows alone (an unlanded step is skipped, not an overflow);
     - ``recent_overflow_rate`` (float32): the fraction of recent steps that
       overflowed (``LossScaleState.recent_overflow_rate``). For the first 2000
       steps it is ``overflow_rate`` (the mean so far); after that an
@@ -35,7 +40,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       ``attribution``, on by default): ``overflow_leaves`` (int32, how many
       gradient leaves overflowed at the last step) and ``first_overflow_leaf``
       (int32, the index in ``jax.tree_util.tree_leaves(params)`` of the first
-      one, -1 if none). ``overflowed_leaves(opt_state, params)`` names them.
+      one, -1 if none); on an unlanded step, the leaves whose update would not
+      land. ``overflowed_leaves(opt_state, params)`` names them.
 
     Under accumulation (``loss_scaling_multi_steps``) a step is a window, and
     every key describes the last completed window, also when read between its
@@ -45,6 +51,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
 
     Rule::
 
+      unlanded = last_skipped and not last_overflow             # every library policy
+                                                                # skips only on an overflow
       rate = overflow_steps / total_steps                       # 0 before the first step
       recent = rate if total_steps <= 2000                      # updated at each step
                else recent + (overflow - recent) / 2000
@@ -85,6 +93,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         "overflow": s.last_overflow,
         "skipped": s.last_skipped,
         "stuck": s.stuck,
+        "unlanded": jnp.logical_and(s.last_skipped, jnp.logical_not(s.last_overflow)),
         "total_steps": s.total_steps,
         "overflow_steps": s.overflow_steps,
         "skipped_steps": s.skipped_steps,

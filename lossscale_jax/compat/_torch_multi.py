@@ -157,7 +157,7 @@ def multi_optimizer(
         scale = state.loss_scale.scale
         taps = extra_args.pop("taps", None)  # the engine reads them; the inner never sees them
         check = engine.check(updates, scale, state.leaf_overflow, reduce_flags=True, taps=taps)
-        if float16_leaves(params):  # where every update would land: an overflow of its leaf
+        if float16_leaves(params):  # where every update would land: a leaf it cannot land in
             every = {k: jnp.ones([], jnp.bool_) for k in transforms}
             landed, _ = partition(every, scale).update(
                 updates, state.inner_state, params, **extra_args
@@ -165,6 +165,8 @@ def multi_optimizer(
             check = check_landing(engine, check, params, landed, scale, reduce_flags=True)
         loss_scale, _ = engine.decide(state.loss_scale, check)
         flags = cast(jax.Array, check.flags)  # reduce_flags=True: always kept
+        # A partition is skipped for its own overflow or an update of its own that cannot land.
+        blocked = flags if check.unlanded_flags is None else flags | check.unlanded_flags
         labels = param_labels(updates) if callable(param_labels) else param_labels
         per_leaf = jax.tree_util.tree_leaves(
             jax.tree_util.tree_map(
@@ -175,7 +177,7 @@ def multi_optimizer(
         applies = {}
         for k in transforms:
             mine = [i for i, lab in enumerate(per_leaf) if lab == k]
-            found = jnp.logical_or(jnp.any(flags[jnp.asarray(mine, jnp.int32)]), bad_scale)
+            found = jnp.logical_or(jnp.any(blocked[jnp.asarray(mine, jnp.int32)]), bad_scale)
             applies[k] = jnp.logical_not(jnp.logical_and(found, loss_scale.last_skipped))
         new_updates, inner_state = partition(applies, scale).update(
             updates, state.inner_state, params, **extra_args

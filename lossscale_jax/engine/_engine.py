@@ -27,7 +27,7 @@ import optax
 
 from lossscale_jax.engine import _check, _devices, _loss_note, _skip, _stuck, _wiring
 from lossscale_jax.engine._policy import LossScalePolicy, check_policy
-from lossscale_jax.engine._state import LossScaleState
+from lossscale_jax.engine._state import LossScaleState, unlanded_step
 from lossscale_jax.engine._tap_stats import WIDTH, TapStats
 from lossscale_jax.engine._unscale import scale_is_bad, unscale_tree
 from lossscale_jax.errors import StructureError, TapError
@@ -56,12 +56,17 @@ class Check(NamedTuple):
         ``attribution="reduced"``); ``None`` when no record is kept.
       amax: float32 scalar, ``max |scaled g| / (scale * finfo(compute_dtype).max)``
         (the largest over the devices); ``None`` unless the policy measures it.
+      unlanded, unlanded_flags, float16_leaves: an update would write inf or nan into a
+        float16 parameter (``_landing``; ``None``: unchecked), which leaves, their key paths.
     """
 
     overflow: jax.Array
     flags: jax.Array | None
     amax: jax.Array | None
     segments: jax.Array | None = None  # per-layer scaling: bool[n + 1], a segment overflowed
+    unlanded: jax.Array | None = None
+    unlanded_flags: jax.Array | None = None
+    float16_leaves: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +187,7 @@ class Engine:
         """Refuses, while the step is traced, gradients this update must not divide by
         ``scale``: non-float leaves, and the wirings ``_wiring`` sees going wrong."""
         _wiring.refuse_non_float(grads, self.where)
-        _wiring.check_update(grads, scale, self.where, self.policy.constant_scale)
+        _wiring.check_update(grads, scale, self.where, self.policy)
 
     def _with_taps(
         self, taps: Any, scale: jax.Array, found: jax.Array, amax: jax.Array | None
@@ -211,12 +216,13 @@ class Engine:
         scales: jax.Array,
         layers: Any,
         taps: Any,
+        loss_scale: jax.Array,
     ) -> Check:
         """The overflow check of per-layer scaled ``grads``, per segment, in one all-reduce.
 
-        ``layers`` (a ``LayerMap``) gives each gradient leaf its segment and names the
-        layer taps in forward order; ``scales`` is ``float32[n + 1]``, each segment's
-        cumulative scale (the last, the loss's). Rule::
+        ``layers`` (a ``LayerMap``) gives each leaf its segment, names the layer taps in
+        forward order; ``scales`` is ``float32[n + 1]``, each segment's cumulative scale
+        (the last, the loss's); ``loss_scale``, the state's, is the wiring check's. Rule::
 
           flags, leaf_max = per-leaf overflow flags and max |g|     # one read of each leaf
           amax[s] = max over leaves of s of leaf_max / (scales[s] * finfo(compute_dtype).max)
@@ -230,7 +236,7 @@ class Engine:
           (found, amax, overflowed, flags) reduced over axis_name: one all-reduce
         """
         _devices.check_mapped_axes(grads, self.reduced, self.local, self.mode, self.where)
-        self.check_wiring(grads, scales)
+        self.check_wiring(grads, loss_scale)
         leaves = jax.tree_util.tree_leaves(grads)
         if len(leaves) != len(layers.segments):
             raise StructureError(
@@ -314,11 +320,11 @@ class Engine:
     ) -> tuple[LossScaleState, jax.Array]:
         """``(new loss-scale state, apply)``: the policy's step, and whether to apply.
 
-        ``apply`` is ``not new_state.last_skipped``. With ``on_stuck="error"`` a
-        ``checkify`` check fails when the step is stuck (and ``when`` is true: a window's
-        end, for a front-end that decides on every call and keeps the decision only there).
-        Called outside the skip's branches, so that the check is not run on steps that
-        apply nothing (a select computes both branches).
+        ``apply`` is ``not new_state.last_skipped``; an update that cannot land is skipped
+        (``unlanded_step``). With ``on_stuck="error"`` a ``checkify`` check fails when the
+        step is stuck (and ``when`` is true: a window's end, for a front-end that decides on
+        every call and keeps the decision only there). Called outside the skip's branches, so
+        that the check is not run on steps that apply nothing (a select computes both).
         """
         if self.policy.measures_range:
             new = self.policy.adjust(loss_scale, check.overflow, check.amax)
@@ -326,7 +332,8 @@ class Engine:
             # No amax for a policy that does not read it: a user's policy written with
             # adjust(state, overflow) keeps working.
             new = self.policy.adjust(loss_scale, check.overflow)
-        _stuck.check_stuck(new, self.on_stuck, when)
+        new, unlanded = unlanded_step(loss_scale, new, check.overflow, check.unlanded)
+        _stuck.check_stuck(new, self.on_stuck, when, unlanded, check.float16_leaves)
         return new, jnp.logical_not(new.last_skipped)
 
     @staticmethod

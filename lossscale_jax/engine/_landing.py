@@ -5,11 +5,20 @@ of 1e-8 is 0 there, its second moment underflows to 0) can be written inf or nan
 whose gradients were finite: the overflow check reads the gradients only. So, for a
 front-end given float16 parameters, the update is computed before the decision and the
 values it would write are checked too (:func:`landing_flags`): a step that would write a
-non-finite float16 parameter counts as an overflow of that leaf (skipped, recorded, the
-scale backed off), and nothing non-finite ever reaches the parameters. Its ``init`` warns
-(``Float16OptimizerWarning``, naming the leaves) unless the inner optimizer keeps float32
-master copies (``lsj.master_weights``, whose state :func:`holds_master` finds): then the
-gradients are unscaled into float32 for it (:func:`unscale_targets`), never into float16.
+non-finite float16 parameter is *unlanded* (``Check.unlanded``): skipped, its leaves
+recorded, reported as such (``metrics``' ``unlanded`` and ``stuck``; ``on_stuck="error"``
+names the leaves and ``lsj.master_weights``), and not an overflow of the gradients: the
+scale stays (no scale changes where an update lands) and ``overflow_rate`` counts the
+gradients' overflows alone. Nothing non-finite ever reaches the parameters. Its ``init``
+warns (``Float16OptimizerWarning``, naming the leaves) unless the inner optimizer keeps
+float32 master copies (``lsj.master_weights``, whose state :func:`holds_master` finds): then
+the gradients are unscaled into float32 for it (:func:`unscale_targets`), never into
+float16.
+
+``loss_scaling`` does not add the master copies itself: they change the optimizer state (its
+checkpoints) and its memory (4 bytes per parameter, and the inner state in float32), and an
+inner optimizer that lands in float16 (SGD, an Adam with an ``eps`` float16 holds) has no
+need of them; the warning at ``init`` and the step's report name the one call that adds them.
 """
 
 from __future__ import annotations
@@ -24,10 +33,9 @@ import jax.numpy as jnp
 from lossscale_jax.engine import _devices
 from lossscale_jax.engine._engine import Check, Engine
 from lossscale_jax.engine._opt_states import MasterWeightsState
+from lossscale_jax.engine._stuck import named_leaves
 from lossscale_jax.engine._unscale import scale_is_bad
 from lossscale_jax.errors import Float16OptimizerWarning
-
-_NAMED = 5  # leaves a warning names before "and n more"
 
 
 def is_float16(x: Any) -> bool:
@@ -63,17 +71,16 @@ def warn_float16_inner(params: Any, inner_state: Any, where: str) -> None:
     leaves = float16_leaves(params)
     if not leaves or holds_master(inner_state):
         return
-    named = ", ".join(leaves[:_NAMED]) + (
-        f" and {len(leaves) - _NAMED} more" if len(leaves) > _NAMED else ""
-    )
     warnings.warn(
-        f"{where}: the parameters {named} are float16, and the inner optimizer would run in "
-        "float16: its state and every update land in float16 (optax.adam's eps=1e-8 is 0 "
-        "there, its second moment underflows to 0 and the update is inf or nan; an update "
-        "under half a float16 ulp is lost). Steps that would write inf or nan are skipped, "
-        "so nothing non-finite reaches the parameters, but training may not progress. Keep "
-        "float32 master copies in the optimizer: lsj.loss_scaling(lsj.master_weights(inner), "
-        "policy), or keep float32 parameters and compute in float16.",
+        f"{where}: the parameters {named_leaves(leaves)} are float16, and the inner optimizer "
+        "would run in float16: its state and every update land in float16 (optax.adam's "
+        "eps=1e-8 is 0 there, its second moment underflows to 0 and the update is inf or nan; "
+        "an update under half a float16 ulp is lost). Steps that would write inf or nan are "
+        "skipped (lsj.metrics(opt_state)['unlanded'] and ['stuck'] say so; on_stuck='error' "
+        "stops there), so nothing non-finite reaches the parameters, but training may not "
+        "progress. Keep float32 master copies in the optimizer: "
+        "lsj.loss_scaling(lsj.master_weights(inner), policy), or keep float32 parameters and "
+        "compute in float16.",
         Float16OptimizerWarning,
         stacklevel=3,  # the call of the front-end's init
     )
@@ -105,11 +112,19 @@ def check_landing(
     *,
     reduce_flags: bool = False,
 ) -> Check:
-    """``check`` with the update's landing folded in: an update that would write inf or nan
-    into a float16 parameter counts as that leaf's overflow, reduced over ``axis_name`` as
-    the check's flags are (``when``: only where it is true, a window's end;
-    ``reduce_flags``: as ``Engine.check``'s). A ``scale`` that is not finite and > 0 makes
-    every unscaled gradient nan: that overflow is the scale's, no leaf's (not recorded)."""
+    """``check`` with the update's landing: ``unlanded`` (an update would write inf or nan
+    into a float16 parameter on some device), its per-leaf flags (reduced over ``axis_name``
+    as the check's flags are, ``reduce_flags``: as ``Engine.check``'s), and the record's
+    flags ORed with them where the gradients did not overflow (``when``: only where it is
+    true, a window's end). A ``scale`` that is not finite and > 0 makes every unscaled
+    gradient nan: that overflow is the scale's, no leaf's (nothing unlanded).
+
+    Rule::
+
+      flags = landing_flags(params, updates) and scale finite and > 0 (and when)
+      unlanded, flags = any(flags), flags                  # reduced over axis_name
+      record = record or (flags and not overflow)          # the leaves that stopped the step
+    """
     flags = jnp.logical_and(landing_flags(params, updates), jnp.logical_not(scale_is_bad(scale)))
     if when is not None:
         flags = jnp.logical_and(flags, when)
@@ -119,8 +134,17 @@ def check_landing(
     )
     if shared:
         flags = cast(jax.Array, reduced)
-    record = None if check.flags is None else jnp.logical_or(check.flags, flags)
-    return check._replace(overflow=jnp.logical_or(check.overflow, bad), flags=record)
+    record = None
+    if check.flags is not None:
+        record = jnp.logical_or(
+            check.flags, jnp.logical_and(flags, jnp.logical_not(check.overflow))
+        )
+    return check._replace(
+        flags=record,
+        unlanded=bad,
+        unlanded_flags=flags if shared else None,
+        float16_leaves=tuple(float16_leaves(params)),
+    )
 
 
 def land_first(

@@ -48,12 +48,15 @@ class LossScaleState(_ChexDataclass):
       growth_count: int32, good steps since the scale last changed or an
         overflow was seen.
       hysteresis_count: int32, overflows counted toward the next backoff.
-      last_overflow: bool, whether the last step saw an overflow.
-      last_skipped: bool, whether the last step's update was skipped.
-      stuck: bool, whether the last step overflowed while the policy could not
-        lower the scale any further (``DynamicScale`` at ``min_scale``; every
-        overflow of ``StaticScale``/``NoScale``). Training that stays stuck
-        skips every step; see ``metrics``.
+      last_overflow: bool, whether the last step's gradients overflowed.
+      last_skipped: bool, whether the last step's update was skipped (for an
+        overflow, or, with float16 parameters, because the update would have
+        written inf or nan into one of them: then ``last_overflow`` is False).
+      stuck: bool, whether the last step was skipped for a reason no scale
+        fixes: it overflowed while the policy could not lower the scale any
+        further (``DynamicScale`` at ``min_scale``; every overflow of
+        ``StaticScale``/``NoScale``), or its update could not land in float16
+        parameters. Training that stays stuck skips every step; see ``metrics``.
       total_steps: int32, steps seen (saturating increment).
       overflow_steps: int32, steps that saw an overflow (saturating).
       skipped_steps: int32, steps whose update was skipped (saturating).
@@ -264,3 +267,29 @@ def with_scale(state: LossScaleState, scale: ArrayLike) -> LossScaleState:
         growth_count=jnp.where(moved, zero, state.growth_count),
         hysteresis_count=jnp.where(moved, zero, state.hysteresis_count),
     )
+
+
+def unlanded_step(
+    before: LossScaleState, adjusted: LossScaleState, overflow: jax.Array, cannot_land: Any
+) -> tuple[LossScaleState, jax.Array | None]:
+    """``(state, unlanded)``: a step whose update cannot land in float16 parameters.
+
+    Rule (``cannot_land``: the landing check's bool, ``None`` where it did not look)::
+
+      unlanded = cannot_land and not adjusted.last_skipped   # the policy would apply
+      state = before, the step recorded skipped and stuck (not as an overflow: overflow is
+              the gradients'), the policy's own fields (scale, counters, range,
+              policy_state) as they were: no scale changes where an update lands
+              if unlanded else adjusted
+    """
+    if cannot_land is None:
+        return adjusted, None
+    unlanded = jnp.logical_and(cannot_land, jnp.logical_not(adjusted.last_skipped))
+    if jax.tree_util.tree_structure(before.policy_state) != jax.tree_util.tree_structure(
+        adjusted.policy_state
+    ):  # a state of another policy, conformed by adjust: keep the conformed one
+        before = before.replace(policy_state=adjusted.policy_state)
+    true = jnp.ones([], jnp.bool_)
+    kept = record_step(before, overflow, true, true)
+    state = jax.tree_util.tree_map(lambda k, a: jnp.where(unlanded, k, a), kept, adjusted)
+    return state, unlanded

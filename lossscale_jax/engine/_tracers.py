@@ -6,7 +6,9 @@ trace is this loss being computed, and do these gradients depend on that scale? 
 one trace (a *frame*); a tracer made by an operation keeps that operation (its ``parent``,
 with the tracers it read), so the operations a value depends on can be walked back to the
 frame's inputs. Operations of a backward pass carry ``transpose`` in their name stack (what
-a profile shows as ``transpose(jvp(...))``).
+a profile shows as ``transpose(jvp(...))``); an operation that holds a program of its own (a
+``scan``, ``while`` or ``cond``, a nested ``jit``, ``checkpoint``) is one opaque operation of
+the frame.
 
 Read here, from ``jax._src``: ``core.Tracer``, ``core.trace_ctx`` (the current trace),
 ``partial_eval.DynamicJaxprTracer``/``DynamicJaxprTrace`` (a ``jit`` trace, its tracers'
@@ -20,7 +22,9 @@ step's program or its values, it only refuses wirings at trace time.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 try:  # JAX's internals: present in every JAX the package admits (see the docstring)
     from jax._src import core as _core
@@ -32,6 +36,9 @@ try:  # JAX's internals: present in every JAX the package admits (see the docstr
     _JitTrace: Any = _pe.DynamicJaxprTrace
     _Transform: Any = _source_info.Transform
     _trace_ctx: Any = _core.trace_ctx
+    from lossscale_jax.engine._jaxprs import ClosedJaxpr as _ClosedJaxpr
+
+    _PROGRAMS: tuple[type, ...] = (_core.Jaxpr, _ClosedJaxpr)
     AVAILABLE = all(
         name in getattr(_JitTracer, "__slots__", ()) for name in ("val", "parent")
     ) and hasattr(_trace_ctx, "trace")
@@ -136,3 +143,129 @@ def walk(
             out.backward = True
         stack.extend(x for x in eqn.in_tracers if isinstance(x, _JitTracer))
     return out
+
+
+def _is_function(x: Any) -> bool:
+    """A function an operation keeps (a custom rule, a callback), not a dtype class."""
+    return callable(x) and not isinstance(x, type)
+
+
+def _holds_program(eqn: Any) -> bool:
+    """Whether an operation holds a program of its own (a loop, a branch, a call)."""
+    for v in getattr(eqn, "params", {}).values():
+        items = v if isinstance(v, tuple | list) else (v,)
+        if any(isinstance(x, _PROGRAMS) or _is_function(x) for x in items):
+            return True
+    return False
+
+
+class Carried(NamedTuple):
+    """How some tracers of one frame carry one scale of it (:func:`carried`).
+
+    Attributes:
+      depth: along the path that carries it most, how many times the scale entered a backward
+        pass (an operation of the backward pass read a value of the forward pass that depends
+        on it: the multiplication of a cotangent by it), 2 standing for two or more.
+      forward: they depend on the scale without it entering a backward pass (a value computed
+        from it after the gradients were taken, such as a clipping threshold).
+      opaque: an operation holding a program of its own (a loop, a nested ``jit``, a
+        ``checkpoint``) read the scale: what it did with it is not seen here.
+      backward: an operation of a backward pass is among what they depend on.
+    """
+
+    depth: int
+    forward: bool
+    opaque: bool
+    backward: bool
+
+
+# Per tracer: (depends on the scale, holds its magnitude, depth, opaque, backward).
+_State = tuple[bool, bool, int, bool, bool]
+_NOTHING: _State = (False, False, 0, False, False)
+_TARGET: _State = (True, True, 0, False, False)
+# Floating results that keep none of their input's magnitude.
+_SIGNS = frozenset({"sign"})
+
+
+def _inexact(tracer: Any) -> bool:
+    dtype = getattr(getattr(tracer, "aval", None), "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.inexact)
+
+
+def _combine(eqn: Any, ins: list[_State]) -> _State:
+    """An operation's state from its inputs' (its outputs' magnitude: see ``_of``)."""
+    depends = any(x[0] for x in ins)
+    name = getattr(getattr(eqn, "primitive", None), "name", None)
+    magnitude = any(x[1] for x in ins) and name not in _SIGNS
+    depth = max((x[2] for x in ins), default=0)
+    opaque = any(x[3] for x in ins)
+    transposed = _transformed(eqn, "transpose")
+    backward = transposed or any(x[4] for x in ins)
+    if any(x[1] and x[2] == 0 for x in ins):  # the scale's magnitude, not yet in a backward
+        if _holds_program(eqn):
+            opaque = True
+        elif transposed:
+            depth = min(depth + 1, 2)
+    return depends, magnitude, depth, opaque, backward
+
+
+def _of(tracer: Any, state: _State) -> _State:
+    """An output's state: a comparison's bool, an index, hold no magnitude of the scale (the
+    predicate of the select a ``max`` or a ``where`` differentiates into)."""
+    if state[1] and not _inexact(tracer):
+        return (state[0], False, *state[2:])
+    return state
+
+
+def carried(roots: Iterable[Any], target: Any) -> Carried:
+    """How the jit tracers ``roots`` carry the jit tracer ``target`` (a scale) of their frame.
+
+    Every operation the roots depend on is visited once (the target's own ancestors aside).
+    Rule, per tracer ``t`` made by an operation ``e`` from the tracers ``ins``::
+
+      depends(t)   = t is target or any(depends(x) for x in ins)
+      magnitude(t) = t is target or (t is floating, e is no sign, any(magnitude(x)))
+      depth(t)     = max(depth(x) for x in ins)
+                     + 1 if e is a backward pass's (and holds no program) and some x in
+                         ins holds the scale's magnitude with depth(x) == 0  # it enters
+      opaque(t)    = any(opaque(x)) or (e holds a program and some such x is in ins)
+    """
+    goal = id(target.val)
+    by_var: dict[int, _State] = {}
+    by_eqn: dict[int, _State] = {}
+    roots = [t for t in roots if isinstance(t, _JitTracer)]
+    for root in roots:
+        stack = [root]
+        while stack:
+            t = stack[-1]
+            key = id(t.val)
+            if key in by_var:
+                stack.pop()
+                continue
+            eqn = t.parent
+            if key == goal:
+                by_var[key] = _TARGET
+                stack.pop()
+                continue
+            if eqn is None:
+                by_var[key] = _NOTHING
+                stack.pop()
+                continue
+            done = by_eqn.get(id(eqn))
+            if done is None:
+                ins = [x for x in eqn.in_tracers if isinstance(x, _JitTracer)]
+                pending = [x for x in ins if id(x.val) not in by_var]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                done = _combine(eqn, [by_var[id(x.val)] for x in ins])
+                by_eqn[id(eqn)] = done
+            by_var[key] = _of(t, done)
+            stack.pop()
+    states = [by_var[id(t.val)] for t in roots]
+    return Carried(
+        depth=max((x[2] for x in states), default=0),
+        forward=any(x[0] and x[2] == 0 for x in states),
+        opaque=any(x[3] for x in states),
+        backward=any(x[4] for x in states),
+    )

@@ -28,7 +28,12 @@ from lossscale_jax.engine._engine import (
 from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import refuse_nested_state
 from lossscale_jax.engine._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
-from lossscale_jax.engine._state import LossScaleState, initial_state, record_step
+from lossscale_jax.engine._state import (
+    LossScaleState,
+    initial_state,
+    record_step,
+    unlanded_step,
+)
 from lossscale_jax.engine._unscale import inverse, unscale_leaf
 from lossscale_jax.engine._window import acc_zeros, add_good, cleared, mean_of
 from lossscale_jax.layerwise._map import LayerMap
@@ -126,9 +131,14 @@ class LayerwiseStep:
             growth_count=new.growth_count[n],
             hysteresis_count=jnp.zeros([], jnp.int32),
         )
+        loss_scale, unlanded = unlanded_step(state.loss_scale, loss_scale, overflow, check.unlanded)
+        if unlanded is not None:  # an update that cannot land: no segment's scale moves
+            new = jax.tree_util.tree_map(
+                lambda old, moved: jnp.where(unlanded, old, moved), state.layers, new
+            )
         # outside the skip (Engine.decide)
-        _stuck.check_stuck(loss_scale, self.engine.on_stuck, when)
-        return loss_scale, new, jnp.logical_not(overflow)
+        _stuck.check_stuck(loss_scale, self.engine.on_stuck, when, unlanded, check.float16_leaves)
+        return loss_scale, new, jnp.logical_not(loss_scale.last_skipped)
 
     def unscale(self, grads: Any, scales: jax.Array, params: Any) -> Any:
         """Each leaf divided by its own segment's scale."""
@@ -147,14 +157,14 @@ class LayerwiseStep:
         state = check_state(state, LayerwiseScalingState, "layerwise_scaling")
         taps = extra_args.pop("taps", None)
         scales = state.layers.scale
-        check = engine.check_layers(grads, scales, self.layers, taps)
+        check = engine.check_layers(grads, scales, self.layers, taps, state.loss_scale.scale)
         targets = unscale_targets(params, state.inner_state)
 
         def inner_update(g: Any, inner_state: Any, p: Any = params) -> Any:
             return inner.update(self.unscale(g, scales, targets), inner_state, p, **extra_args)
 
         # float16 parameters: the update is computed first, and where it lands is checked
-        # (a landing overflow backs off the loss's segment).
+        # (an update that cannot land is skipped, every segment's scale kept).
         check, landed = land_first(
             engine, check, params, inner_update, grads, state.inner_state, scales[-1]
         )
@@ -184,7 +194,7 @@ class LayerwiseStep:
         state = check_state(state, LayerwiseScalingState, "layerwise_scaling")
         taps = extra_args.pop("taps", None)
         scales, win = state.layers.scale, state.window
-        this = engine.check_layers(grads, scales, self.layers, taps)
+        this = engine.check_layers(grads, scales, self.layers, taps, state.loss_scale.scale)
         so_far = Check(win.overflow, win.leaf_overflow, win.amax, win.segments)
         window = engine.fold(so_far, this)
         unscaled = self.unscale(grads, scales, unscale_targets(params, state.inner_state))
