@@ -2,7 +2,7 @@
 
 Holds the ``Engine`` (``_engine``: check, decide, select; ``EngineUpdate``, ``inner_or_skip``)
 and its parts: the check's kernels (``_check``), the unscale (``_unscale``), the collective
-and the mapped-axis rules (``_devices``), the skip's formulation per backend (``_skip``), the
+and the mapped-axis rules (``_devices``), the skip's formulation per backend (``_skip``) and the CPU's fence in it (``_fence``), the
 state and its telemetry (``_state``), the policy protocol the engine calls (``_policy``:
 ``LossScalePolicy``, so that the engine never imports ``policies/``), ``on_stuck``
 (``_stuck``), the taps' statistics vector it reads (``_tap_stats``), the loss's dtype note
