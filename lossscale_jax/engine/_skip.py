@@ -159,7 +159,10 @@ def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *op
     a GPU the select stays fused into the optimizer's kernels (its reason to take it)."""
     good = fenced(true_fun)(*operands)
     skip = false_fun(*operands)
-    return jax.tree_util.tree_map(lambda g, s: jnp.where(pred, g, s), good, skip)
+    # Selected on the skip (not(apply): the policy's last_skipped, the negation folded away), so
+    # that no kernel of its own negates the decision for the leaves' selects (XLA:GPU).
+    skipped = jnp.logical_not(pred)
+    return jax.tree_util.tree_map(lambda g, s: jnp.where(skipped, s, g), good, skip)
 
 
 def has_effects(fun: Callable[..., Any], *operands: Any) -> bool:
