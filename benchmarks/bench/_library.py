@@ -86,4 +86,3 @@ def leaf_overflow_vector(grads: Any) -> jax.Array:
 def skip_formulation(name: str) -> contextlib.AbstractContextManager[None]:
     """Steps traced inside skip with ``name`` (``"cond"`` or ``"select"``) on every backend."""
     return _skip.formulation(name)
-
