@@ -3,7 +3,7 @@
 A training step is often compiled where it does not run: ``jax.export`` with
 ``platforms=("cuda",)``, ahead-of-time compilation on a CPU host, the benchmark's
 ``--compile-for``. The skip's formulation and the CPU's fence are chosen by the platform the step
-is lowered for (``engine/_skip.py``, ``engine/_fence.py``), so from this CPU-only process:
+is lowered for (``engine/_skip.py``, ``engine/_platform.py``), so from this CPU-only process:
 
 - lowered for ``cuda`` or ``rocm``, the README's step, the fused step and a window step hold a
   select per leaf, no conditional on a value of the step (on XLA:GPU a conditional copies its
@@ -30,7 +30,7 @@ import pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.engine import _skip
-from lossscale_jax.engine._fence import fence_on_cpu
+from lossscale_jax.engine._platform import fence_on_cpu
 
 FRONTS = ("readme", "fused", "window_3")
 SKIPS = ("default", "select")

@@ -37,7 +37,7 @@ from the backward pass before it and the parameter update after it, a select's w
 with both, and XLA:CPU then contracts another multiply with the add after it into a fused
 multiply-add (one rounding fewer, an ulp apart from the first step). So where a select is
 lowered for the CPU its good branch is fenced as the conditional's is (:func:`fenced`: an
-``optimization_barrier`` lowered for the CPU alone, ``_fence``): with jaxlib 0.12 the two give
+``optimization_barrier`` lowered for the CPU alone, ``_platform``): with jaxlib 0.12 the two give
 the same bits step for step (Adam, AdamW, SGD with momentum; the Optax path, the fused step,
 windows; ``tests/test_formulations.py``), and a run resumes under the other bit for bit. Where
 XLA:CPU expands the fences before fusion (jaxlib 0.10) each step is within an ulp (two over a
@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from lossscale_jax.engine._devices import cond, match_varying
-from lossscale_jax.engine._fence import fence_on_cpu
+from lossscale_jax.engine._platform import fence_on_cpu
 
 FORMULATIONS = ("cond", "select")
 
@@ -132,7 +132,7 @@ def here() -> set[str]:
 
 
 def fenced(true_fun: Callable) -> Callable:
-    """``true_fun`` with its operands and its outputs behind :func:`_fence.fence_on_cpu`:
+    """``true_fun`` with its operands and its outputs behind :func:`_platform.fence_on_cpu`:
     lowered for the CPU, between two ``optimization_barrier``s; lowered elsewhere, as it is.
 
     What the conditional's boundary does for the good branch: XLA fuses nothing across it, so
