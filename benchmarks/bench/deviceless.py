@@ -3,8 +3,9 @@
 JAX's CUDA plugin compiles for a GPU it is described (``benchmarks/gpu_targets/*.txtpb``:
 compute capability, cores, memory, as ``--xla_gpu_target_config_filename`` takes them) with
 no GPU, driver or CUDA library present: the HLO is what XLA:GPU runs on that GPU, fusion for
-fusion, conditional for conditional, copy for copy (the 20M MLP's kernel counts, plain 10,
-ours 30 and 31, jmp 26, Flax 25, apply_if_finite 24, are the ones an H200 run reported).
+fusion, conditional for conditional, copy for copy (the 20M MLP's kernel counts it gave,
+plain 10, ours 30 and 31, jmp 26, Flax 25, apply_if_finite 24, were the ones an H200 run
+reported; ours are 21 since the check runs in rows there).
 Nothing is timed: the columns are the HLO reader's (``hlo.hlo_stats``), the same as a GPU
 run's. The plugin is installed in an environment of its own (installed beside the test
 suite's JAX, it announces at every import that it found no CUDA): ``PLUGIN``.
