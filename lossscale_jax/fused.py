@@ -11,6 +11,8 @@ import optax
 from lossscale_jax.engine._engine import check_state, engine_of
 from lossscale_jax.engine._landing import land_first, unscale_targets
 from lossscale_jax.engine._opt_states import LossScalingState
+from lossscale_jax.engine._platform import GPUS, pick
+from lossscale_jax.engine._unscale import inverse
 
 __all__ = ["apply_gradients"]
 
@@ -102,13 +104,19 @@ def apply_gradients(
     check, landed = land_first(engine, check, params, inner_update, grads, state.inner_state, scale)
     loss_scale, apply = engine.decide(state.loss_scale, check)
 
-    # ``neg_zero`` is -0.0 whenever the good branch runs, but XLA cannot know
-    # it. Adding it to the updates (exact: u + -0.0 == u, signs of zeros
-    # included) ends each update's expression with an addition, so a backend
-    # that contracts ``p + a * b`` into a fused multiply-add (XLA:CPU does)
-    # still adds the rounded update: the result is bit-identical to the Optax
-    # path, where the updates cross the conditional's boundary in memory.
-    neg_zero = jnp.where(apply, jnp.float32(-0.0), jnp.float32(1.0))
+    # ``neg_zero`` is -0.0 whenever the good branch's result is used, but XLA cannot know
+    # it. Adding it to the updates (exact: u + -0.0 == u, signs of zeros included) ends each
+    # update's expression with an addition, so a backend that contracts ``p + a * b`` into a
+    # fused multiply-add (XLA:CPU does) still adds the rounded update: the result is
+    # bit-identical to the Optax path, where the updates cross the conditional's boundary in
+    # memory. Lowered for a GPU it is a product with the unscale's factor (1 / scale, finite
+    # and > 0 whenever the step applies: a scale that is not counts as an overflow), which
+    # XLA:GPU computes in that factor's kernel; a select on ``apply`` is a kernel of its own.
+    neg_zero = pick(
+        jnp.where(apply, jnp.float32(-0.0), jnp.float32(1.0)),
+        jnp.float32(-0.0) * inverse(scale),
+        GPUS,
+    )
 
     def good(operands: Any) -> Any:
         g, inner_state, p, neg_zero = operands

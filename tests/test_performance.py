@@ -1013,10 +1013,14 @@ def test_underflow_counts_the_entries_the_unscaled_backward_pass_loses(tmp_path)
 
 
 def test_the_committed_h100_program_is_the_select_and_the_docs_quote_it(tmp_path):
-    """benchmarks/compiled_h100.json (``--compile-for h100``): the library's steps as XLA:GPU
-    compiles them have no conditional and no parameter-sized copy, the conditional forced
-    copies every parameter and both moments twice (2 x 3 per leaf, 75 leaves); the docs' block
-    and compiled_h100.md are what ``--render`` makes of it."""
+    """benchmarks/compiled_h100.json (``--compile-for h100``, from a process without a GPU):
+    the library's steps as XLA:GPU compiles them have no conditional and no parameter-sized
+    copy, and the optimizer step moves one more read of the float16 gradients than plain's
+    (2 bytes per parameter over plain's 26: 1.077x), the select fused into the optimizer's
+    kernels (fenced, as the CPU's select is, it moved 2.31x); the conditional forced is one,
+    which jaxlib 0.10.2 made copy every parameter and both moments twice (2 x 3 per leaf, 75
+    leaves) and jaxlib 0.11 and newer do not; the docs' block and compiled_h100.md are what
+    ``--render`` makes of it."""
     saved = json.loads((ROOT / "benchmarks" / "compiled_h100.json").read_text())
     rows = {(r["case"].split("/")[-1], r["variant"]): r for r in saved["rows"]}
     for step in ("full", "post"):
@@ -1024,7 +1028,10 @@ def test_the_committed_h100_program_is_the_select_and_the_docs_quote_it(tmp_path
             r = rows[(step, name)]
             assert r["conditionals"] == r["param_sized_copies"] == 0, r
         forced = rows[(step, "lsj_fused_cond_ieee")]
-        assert forced["conditionals"] == 1 and forced["param_sized_copies"] == 2 * 3 * 75
+        assert forced["conditionals"] == 1 and forced["param_sized_copies"] in (0, 2 * 3 * 75)
+    plain = rows[("post", "plain")]["bytes_moved"]
+    for name in ("lsj_optax_ieee", "lsj_fused_ieee"):
+        assert rows[("post", name)]["bytes_moved"] <= 1.08 * plain, name
     summary = import_benchmark("deviceless").summary
     text = (ROOT / "docs" / "performance.md").read_text()
     block = summary(saved["rows"], "h100", saved["meta"]["jax"])

@@ -13,8 +13,8 @@ when the library's private modules move this file changes and nothing else does:
   prototypes rebuild the step (``loss_scaling_parts``);
 - ``numerics.overflow_flags``, the per-leaf record the compile-time skeleton checks with
   (``leaf_overflow_vector``);
-- ``_skip.formulation`` and ``_skip.BY_PLATFORM``: the skip's formulation forced while a step
-  is traced (``skip_formulation``), and the one a platform takes (``formulation_of``).
+- ``_skip.formulation``: the skip's formulation forced while a step is traced
+  (``skip_formulation``).
 """
 
 from __future__ import annotations
@@ -86,8 +86,3 @@ def leaf_overflow_vector(grads: Any) -> jax.Array:
 def skip_formulation(name: str) -> contextlib.AbstractContextManager[None]:
     """Steps traced inside skip with ``name`` (``"cond"`` or ``"select"``) on every backend."""
     return _skip.formulation(name)
-
-
-def formulation_of(platform: str) -> str:
-    """The skip's formulation ``platform`` (``"cpu"``, ``"cuda"``, ...) takes."""
-    return _skip.BY_PLATFORM.get(platform, "cond")

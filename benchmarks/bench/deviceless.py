@@ -3,14 +3,17 @@
 JAX's CUDA plugin compiles for a GPU it is described (``benchmarks/gpu_targets/*.txtpb``:
 compute capability, cores, memory, as ``--xla_gpu_target_config_filename`` takes them) with
 no GPU, driver or CUDA library present: the HLO is what XLA:GPU runs on that GPU, fusion for
-fusion, conditional for conditional, copy for copy (the 20M MLP's kernel counts, plain 10,
-ours 30 and 31, jmp 26, Flax 25, apply_if_finite 24, are the ones an H200 run reported).
+fusion, conditional for conditional, copy for copy (the 20M MLP's kernel counts it gave,
+plain 10, ours 30 and 31, jmp 26, Flax 25, apply_if_finite 24, were the ones an H200 run
+reported; ours are 21 since the check runs in rows there).
 Nothing is timed: the columns are the HLO reader's (``hlo.hlo_stats``), the same as a GPU
 run's. The plugin is installed in an environment of its own (installed beside the test
 suite's JAX, it announces at every import that it found no CUDA): ``PLUGIN``.
 
-The library's steps are traced with the formulation the GPU takes (``formulation_of``):
-this process has the CPU platform only, where the library would trace the CPU's.
+The library's steps are traced as a user's are, nothing forced (the ``_cond`` variants force
+the conditional): the library keeps, at lowering, the skip of the platform a step is lowered
+for, whatever platforms the process has (``lossscale_jax/engine/_skip.py``), so what this
+CPU-only process compiles for the GPU is the GPU's program.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from ._library import formulation_of, skip_formulation
 from .hlo import hlo_stats, shape_strings
 from .prototypes import tracing
 from .variants import VARIANTS
@@ -78,8 +80,7 @@ def compile_text(device: Any, name: str, case: Any) -> str:
     args = jax.tree_util.tree_map(
         spec, (case.params, jax.eval_shape(init, case.params), *case.args)
     )
-    # A variant that forces a formulation sets it again inside, which wins.
-    with skip_formulation(formulation_of("cuda")), tracing(name):
+    with tracing(name):
         traced = jax.jit(fn, donate_argnums=(0, 1)).trace(*args)
         return traced.lower(lowering_platforms=("cuda",)).compile().as_text()
 

@@ -1,18 +1,20 @@
 """The engine: the one step every front-end calls, and what it is made of (internals).
 
 Holds the ``Engine`` (``_engine``: check, decide, select; ``EngineUpdate``, ``inner_or_skip``)
-and its parts: the check's kernels (``_check``), the unscale (``_unscale``), the collective
-and the mapped-axis rules (``_devices``), the skip's formulation per backend (``_skip``), the
-state and its telemetry (``_state``), the policy protocol the engine calls (``_policy``:
-``LossScalePolicy``, so that the engine never imports ``policies/``), ``on_stuck``
-(``_stuck``), the taps' statistics vector it reads (``_tap_stats``), the loss's dtype note
-(``_loss_note``), the optimizer states the front-ends keep (``_opt_states``), where a
-``LossScaleState`` sits and the nestings refused (``_nesting``), accumulation windows
+and its parts: the check's kernels (``_check``; in rows where a step is lowered for a GPU,
+``_check_rows``), the unscale (``_unscale``), the collective and the mapped-axis rules
+(``_devices``), the skip's formulation per backend (``_skip``) and what the platform a step is
+lowered for picks with no conditional (``_platform``: the CPU's fence in the skip, the check's
+formulation), the state and its telemetry (``_state``), the policy protocol the engine calls
+(``_policy``: ``LossScalePolicy``, so that the engine never imports ``policies/``),
+``on_stuck`` (``_stuck``), the taps' statistics vector it reads (``_tap_stats``), the loss's
+dtype note (``_loss_note``), the optimizer states the front-ends keep (``_opt_states``), where
+a ``LossScaleState`` sits and the nestings refused (``_nesting``), accumulation windows
 (``_window``), hyperparameter checks (``_hyper``), exact divisions and ratios (``_division``,
 ``_ratio``), ``ClosedJaxpr`` across JAX versions (``_jaxprs``), the wiring check that refuses a
 step wired to train silently wrong (``_wiring``), where an update lands (``_landing``: float16
-parameters, master copies, the landing check) and the tracing internals it reads
-(``_tracers``, the one module that imports ``jax._src``).
+parameters, master copies, the landing check) and the tracing internals it reads (``_tracers``,
+the one module that imports ``jax._src``).
 
 May import: ``lossscale_jax.errors`` and its own modules; it is the bottom of the package.
 Every other folder and module may import it. It exports no public name: the public names

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale_jax.engine import _check, _devices, _loss_note, _skip, _stuck, _wiring
+from lossscale_jax.engine import _check, _check_rows, _devices, _loss_note, _skip, _stuck, _wiring
 from lossscale_jax.engine._policy import LossScalePolicy, check_policy
 from lossscale_jax.engine._state import LossScaleState, unlanded_step
 from lossscale_jax.engine._tap_stats import WIDTH, TapStats
@@ -156,8 +156,8 @@ class Engine:
             flags, raw = _check.leaf_vector(grads, self.mode, self.compute_dtype, with_max=True)
             limit = jnp.float32(_check.threshold(self.compute_dtype))
             amax = raw / (scale.astype(jnp.float32) * limit)
-        else:
-            flags = _check.leaf_vector(grads, self.mode, self.compute_dtype)
+        else:  # in rows where the step is lowered for a GPU (_check_rows: fewer kernels there)
+            flags = _check_rows.leaf_vector(grads, self.mode, self.compute_dtype)
         found = jnp.logical_or(jnp.any(flags), scale_is_bad(scale))
         if taps is not None:
             found, amax = self._with_taps(taps, scale, found, amax)

@@ -14,27 +14,45 @@ Two formulations of ``good(*operands) if apply else skip(*operands)``:
   the kernels that compute each leaf: no host round trip, no copy, the bytes of the peers'
   whole-tree ``jnp.where`` (docs/performance.md has the compiled H100 step's numbers).
 
+Which one a step gets is decided by the platform it is *lowered* for (:data:`BY_PLATFORM`),
+not by the platforms the process has: a step is often compiled where it does not run
+(``jax.export`` with ``platforms=("cuda",)``, ahead-of-time compilation on a CPU host, the
+benchmark's ``--compile-for``). So a step traced with no override holds both formulations and
+``jax.lax.platform_dependent`` keeps, at lowering, the one of the platform lowered for; JAX
+lowers that branch alone (lowered for one platform, the program holds the kept branch inside
+``platform_dependent``'s switch on a constant, which XLA folds before anything else: XLA:CPU's
+optimized program is the conditional's, as in a step that traced it alone). What it costs: the
+good and skip branches are traced twice, once per formulation, and once more for their effects
+(:func:`has_effects`): Python time while the step is traced, nothing at run time and nothing in
+what XLA compiles (the benchmark's 185M language model, 75 leaves under Adam: its optimizer step
+traced in 0.55 s with the conditional alone, 0.75-1.0 s with both, on 2 loaded cores, against
+seconds of compilation). Worth it: the program compiled for a GPU off one is the GPU's, which a
+formulation chosen from the process's platforms got wrong (the CPU's conditional, or the select
+fenced for the CPU, lowered for a GPU). A cheaper way would decide in a primitive lowered per
+platform (as :func:`fenced`'s fence and the check's formulation are, ``_platform``), but the
+choice here is control flow: such a primitive would carry the branches as jaxprs and need its
+own rules for every transformation ``lax.cond`` has.
+
 Both select the same operands on every step (the skip branch's outputs are constants or the
 operands as they were; the good branch's are selected whole), and the property test runs
 the engine's front-ends under each (``tests/test_engine_properties.py``). Their values are
 the same bits where the good branch is computed alike: a conditional's branch is cut off
 from the backward pass before it and the parameter update after it, a select's would be fused
 with both, and XLA:CPU then contracts another multiply with the add after it into a fused
-multiply-add (one rounding fewer, an ulp apart from the first step). So on the CPU the
-select's good branch is :func:`fenced` as the conditional's is: with jaxlib 0.12 the two give
+multiply-add (one rounding fewer, an ulp apart from the first step). So where a select is
+lowered for the CPU its good branch is fenced as the conditional's is (:func:`fenced`: an
+``optimization_barrier`` lowered for the CPU alone, ``_platform``): with jaxlib 0.12 the two give
 the same bits step for step (Adam, AdamW, SGD with momentum; the Optax path, the fused step,
 windows; ``tests/test_formulations.py``), and a run resumes under the other bit for bit. Where
 XLA:CPU expands the fences before fusion (jaxlib 0.10) each step is within an ulp (two over a
 window) of the other's from the same state, and per-layer scaling without accumulation keeps
-that difference even with them. A GPU keeps the select fused into the optimizer's kernels
-(its reason to take it): not fenced, not measured against its conditional. Which one a backend
-gets is :data:`BY_PLATFORM`. Two overrides, read while a step is traced: the environment
-variable ``LOSSSCALE_JAX_SKIP`` (:data:`ENV`: ``cond`` or ``select`` on every backend; CI runs
-the stepping tests under ``select`` on CPU, so the GPU's formulation runs on every change) and,
-inside the library's tests and benchmark, :func:`formulation`, which takes precedence. In a
-process whose platforms take different formulations (a GPU and the CPU),
-``jax.lax.platform_dependent`` picks at lowering, so one traced step serves them all; a
-CPU-only process traces the conditional alone (:func:`here`).
+that difference even with them. Lowered for a GPU the select has no fence, whatever process
+lowers it: fused into the optimizer's kernels is its reason to be taken (not measured against
+its conditional). Two overrides, read while a step is traced: the environment variable
+``LOSSSCALE_JAX_SKIP`` (:data:`ENV`: ``cond`` or ``select`` on every backend, the other
+formulation not traced; CI runs the stepping tests under ``select`` on CPU, so the GPU's
+formulation runs on every change) and, inside the library's tests and benchmark,
+:func:`formulation`, which takes precedence. The fence stays the CPU's under either.
 
 Effects stay with the steps that apply. A select computes the good branch on every step, so
 anything with an effect in it (a ``checkify`` check, a ``jax.debug.print`` or callback, an
@@ -53,10 +71,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.extend.backend as jex_backend
 import jax.numpy as jnp
 
 from lossscale_jax.engine._devices import cond, match_varying
+from lossscale_jax.engine._platform import fence_on_cpu
 
 FORMULATIONS = ("cond", "select")
 
@@ -106,19 +124,20 @@ def current() -> str | None:
 
 
 def here() -> set[str]:
-    """The formulations of the platforms this process has (``jax.extend.backend.backends()``).
+    """The formulations a step traced with no override holds: every platform's of
+    :data:`BY_PLATFORM` (and ``"cond"``, for a platform not listed), in every process.
 
-    One formulation (a CPU-only process: ``{"cond"}``) is traced alone; several (a GPU
-    process, which has the CPU platform beside the GPU) are traced once each and
-    ``platform_dependent`` keeps the one of the platform the step is lowered for. A step
-    lowered for a platform the process lacks (``lowering_platforms``, ``jax.export``) gets
-    the formulation of those it has; :func:`formulation` names another.
+    A step is traced before the platform it is lowered for is known (one traced step may be
+    lowered for a platform this process lacks: ``lowering_platforms``, ``jax.export``), so
+    several are traced once each and ``platform_dependent`` keeps the one of the platform the
+    step is lowered for; one (a table whose platforms all take the same) is traced alone.
     """
-    return {BY_PLATFORM.get(platform, "cond") for platform in jex_backend.backends()}
+    return {"cond", *BY_PLATFORM.values()}
 
 
 def fenced(true_fun: Callable) -> Callable:
-    """``true_fun`` between two ``optimization_barrier``s, on its operands and its outputs.
+    """``true_fun`` with its operands and its outputs behind :func:`_platform.fence_on_cpu`:
+    lowered for the CPU, between two ``optimization_barrier``s; lowered elsewhere, as it is.
 
     What the conditional's boundary does for the good branch: XLA fuses nothing across it, so
     the branch's kernels are cut where ``lax.cond`` cuts them. Without it XLA:CPU fuses the
@@ -127,34 +146,27 @@ def fenced(true_fun: Callable) -> Callable:
     LLVM contracts a different multiply into a fused multiply-add there: one rounding fewer,
     ulps apart from the conditional's values from the first step. XLA expands the barriers
     after fusion (jaxlib 0.12; jaxlib 0.10.2's XLA:CPU expands them before fusion, where they
-    change nothing).
+    change nothing). A GPU gets no barrier: it would cut the select out of the optimizer's
+    kernels, the reason a GPU takes the select (compiled for an H100, lm_185m's optimizer
+    step fenced ran 324 kernels and moved 2.31x plain's bytes, against 99 and 1.077x).
     """
 
     def branch(*operands: Any) -> Any:
-        return jax.lax.optimization_barrier(true_fun(*jax.lax.optimization_barrier(operands)))
+        return fence_on_cpu(true_fun(*fence_on_cpu(operands)))
 
     return branch
 
 
-def _good(true_fun: Callable, *operands: Any) -> Any:
-    """The good branch's outputs: :func:`fenced` where the step is lowered for the CPU (a
-    CPU-only process: directly; a process with another platform beside it:
-    ``platform_dependent`` picks at lowering), as they are elsewhere."""
-    platforms = set(jex_backend.backends())
-    if "cpu" not in platforms:
-        return true_fun(*operands)
-    if platforms == {"cpu"}:
-        return fenced(true_fun)(*operands)
-    return jax.lax.platform_dependent(*operands, cpu=fenced(true_fun), default=true_fun)
-
-
 def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
-    """Both branches, each output leaf picked by ``pred`` (``"select"``). Lowered for the CPU,
-    the good branch is :func:`fenced`, so that it rounds as the conditional's branch does; a
-    GPU keeps the select fused into the optimizer's kernels (its reason to take the select)."""
-    good = _good(true_fun, *operands)
+    """Both branches, each output leaf picked by ``pred`` (``"select"``). The good branch is
+    :func:`fenced`: lowered for the CPU it rounds as the conditional's branch does; lowered for
+    a GPU the select stays fused into the optimizer's kernels (its reason to take it)."""
+    good = fenced(true_fun)(*operands)
     skip = false_fun(*operands)
-    return jax.tree_util.tree_map(lambda g, s: jnp.where(pred, g, s), good, skip)
+    # Selected on the skip (not(apply): the policy's last_skipped, the negation folded away), so
+    # that no kernel of its own negates the decision for the leaves' selects (XLA:GPU).
+    skipped = jnp.logical_not(pred)
+    return jax.tree_util.tree_map(lambda g, s: jnp.where(skipped, s, g), good, skip)
 
 
 def has_effects(fun: Callable[..., Any], *operands: Any) -> bool:

@@ -1,0 +1,93 @@
+"""The overflow check as XLA:GPU takes it: every gradient read by one kernel, in rows.
+
+XLA:GPU reduces a large array in two kernels (the first writes partial results, the second
+reduces them) and keeps reductions of different shapes in kernels of their own, so the
+check's grouped reductions (``_check.leaf_flags``, XLA:CPU's formulation: one variadic
+reduction per shape, 16 leaves at a time) cost it two kernels per group of same-shape leaves,
+and one more stacking the flags (the 185M language model's optimizer step: 13 kernels).
+
+Here each leaf's overflow test (``_check.predicates``) is laid out in rows of ``ROW`` elements,
+its last row padded with ``False``, the rows of every leaf concatenated, and each row ORed:
+XLA:GPU fuses the concatenation into one row reduction that reads every gradient once (the same
+2 bytes a float16 gradient costs the grouped check). A leaf overflowed when one of its rows
+did: the running count of overflowing rows at the leaf's last row exceeds the count before its
+first (a prefix sum and a gather at constant positions; 4 kernels in all for that model). The
+flags are the grouped check's, bit for bit (``tests/test_check_rows.py``). The range a
+``HeadroomScale`` measures is a maximum, which a running count cannot take apart by leaf: a
+check with the range keeps the grouped reductions on every platform.
+
+``leaf_vector`` traces both and keeps, by the platform the step is lowered for
+(``_platform.pick``: no conditional), the rows on ``ON`` (CUDA, ROCm) and the grouped reductions
+elsewhere; the compiler drops the other, so the CPU's program is the one the grouped check
+alone compiles to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale_jax.engine import _check, _platform
+
+ROW = 8192
+"""Elements per row: short enough that XLA:GPU reduces a row in one pass (it splits a row of
+more than 16,384), long enough that the rows of a large model are few (the language model's
+185M parameters: 22,681 rows) and its prefix sum one kernel."""
+
+ON = _platform.GPUS
+"""The platforms whose steps check in rows (XLA:GPU); the others keep the grouped check."""
+
+
+def _rows(g: jax.Array, mode: str, threshold: float) -> jax.Array:
+    """``g``'s overflow test as ``[rows, ROW]`` booleans, the last row padded with ``False``."""
+    test = jnp.logical_or(*_check.predicates(g, mode, threshold)).ravel()
+    rows = -(-test.size // ROW)
+    if rows * ROW != test.size:
+        test = jnp.pad(test, (0, rows * ROW - test.size))
+    return test.reshape(rows, ROW)
+
+
+def in_rows(leaves: list[Any], mode: str, threshold: float) -> jax.Array:
+    """One ``bool`` per leaf of ``leaves`` (``False`` for a leaf that is not floating): the
+    flags ``_check.every_leaf_flags`` gives, from one row reduction over every leaf."""
+    blocks, bounds, total = [], [], 0
+    for g in leaves:
+        if _check.is_float(g) and jnp.size(g) > 0:
+            block = _rows(jnp.asarray(g), mode, threshold)
+            blocks.append(block)
+            bounds.append((total, total + block.shape[0]))
+            total += block.shape[0]
+        else:
+            bounds.append((total, total))  # no rows: never overflows
+    if not blocks:
+        return jnp.zeros([len(leaves)], jnp.bool_)
+    row_flags = jnp.any(jnp.concatenate(blocks), axis=1)
+    count = jnp.cumsum(row_flags.astype(jnp.int32))
+    count = jnp.concatenate([jnp.zeros([1], jnp.int32), count])  # count[k]: rows before k
+    first, end = (np.asarray(b, np.int32) for b in zip(*bounds, strict=True))
+    return count[end] > count[first]
+
+
+def grouped(leaves: list[Any], mode: str, threshold: float) -> jax.Array:
+    """The grouped reductions' flags (``_check.leaf_flags``) as one vector."""
+    checked = [i for i, g in enumerate(leaves) if _check.is_float(g)]
+    found = _check.leaf_flags([jnp.asarray(leaves[i]) for i in checked], mode, threshold)
+    flags = [jnp.zeros([], jnp.bool_)] * len(leaves)
+    for i, flag in zip(checked, found, strict=True):
+        flags[i] = flag
+    return jnp.stack(flags) if flags else jnp.zeros([0], jnp.bool_)
+
+
+def leaf_vector(grads: Any, mode: Any, compute_dtype: Any) -> jax.Array:
+    """``_check.leaf_vector(grads, mode, compute_dtype)`` (one ``bool`` per leaf, in
+    ``tree_leaves`` order), in rows where the step is lowered for a platform of ``ON``."""
+    mode = _check.validate_overflow_mode(mode)
+    limit = _check.threshold(compute_dtype)
+    leaves = jax.tree_util.tree_leaves(grads)
+    if not leaves:
+        return jnp.zeros([0], jnp.bool_)
+
+    return _platform.pick(grouped(leaves, mode, limit), in_rows(leaves, mode, limit), ON)

@@ -1,0 +1,129 @@
+"""What the platform a step is lowered for decides without a conditional: the CPU's fence, and
+a value computed two ways of which the program keeps one.
+
+Two primitives, each lowered per platform (a lowering rule per platform, as JAX registers
+them), so that the choice follows the platform the step is *lowered* for, not the platforms the
+process has: a step lowered for ``cuda`` from a CPU-only process (``lowering_platforms``,
+``jax.export``, a deviceless compile) gets the GPU's, one lowered for the CPU in a GPU process
+the CPU's. A step lowered for several platforms at once gets JAX's switch on the platform,
+which the compiler resolves before it sees the program.
+
+- ``fence_on_cpu(tree)``: the identity. Lowered for the CPU, one ``optimization_barrier`` over
+  the tree's leaves (XLA fuses nothing across it); lowered for any other platform, no
+  instruction at all.
+- ``pick(default, on, platforms)``: ``default``, or ``on`` where the step is lowered for one of
+  ``platforms``. Both are traced and lowered; the compiler drops the one not picked, which has
+  no effect and no other use (dead code), so the program is the one the picked value alone
+  compiles to. Unlike ``lax.platform_dependent`` it writes no conditional, not in the jaxpr and
+  not in the program lowered for one platform: for a value cheap to trace twice (the overflow
+  check's flags, ``_check_rows``).
+
+Neither traces a function twice: the fenced function is traced once, not once per branch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+from jax.interpreters import ad, batching, mlir
+
+GPUS: tuple[str, ...] = ("cuda", "rocm")
+"""XLA:GPU's platforms (JAX's names for them)."""
+
+_fence_p = jex_core.Primitive("lossscale_jax_fence_on_cpu")
+_fence_p.multiple_results = True
+
+
+@_fence_p.def_impl
+def _identity(*leaves: Any) -> list[Any]:
+    return list(leaves)  # run eagerly, op by op: nothing is fused, nothing to fence
+
+
+@_fence_p.def_abstract_eval
+def _same_avals(*avals: Any) -> list[Any]:
+    return list(avals)  # shapes, dtypes and (under shard_map) what varies: as they were
+
+
+def _fence_batched(args: Any, dims: Any) -> tuple[Any, Any]:
+    return _fence_p.bind(*args), dims
+
+
+def _fence_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
+    # The tangents pass unfenced: nothing here is a rounding the barrier keeps apart.
+    return _fence_p.bind(*primals), list(tangents)
+
+
+def _barrier(*leaves: Any) -> list[Any]:
+    return list(jax.lax.optimization_barrier(list(leaves)))
+
+
+batching.primitive_batchers[_fence_p] = _fence_batched
+ad.primitive_jvps[_fence_p] = _fence_jvp
+mlir.register_lowering(_fence_p, lambda ctx, *leaves: list(leaves))  # every platform
+mlir.register_lowering(_fence_p, mlir.lower_fun(_barrier, multiple_results=True), platform="cpu")
+
+
+def fence_on_cpu(tree: Any) -> Any:
+    """``tree`` as it is; lowered for the CPU, behind one ``optimization_barrier``."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    return jax.tree_util.tree_unflatten(treedef, _fence_p.bind(*leaves))
+
+
+# pick: operands (default, on); one result, the aval of ``default`` (``on`` has the same).
+_pick_p = jex_core.Primitive("lossscale_jax_pick_by_platform")
+
+
+@_pick_p.def_impl
+def _first(default: Any, on: Any, *, platforms: tuple[str, ...]) -> Any:
+    return default  # eagerly, on this process's default device: the default value
+
+
+@_pick_p.def_abstract_eval
+def _first_aval(default: Any, on: Any, *, platforms: tuple[str, ...]) -> Any:
+    return default
+
+
+def _pick_batched(args: Any, dims: Any, *, platforms: tuple[str, ...]) -> tuple[Any, Any]:
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    front = [
+        jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    return _pick_p.bind(*front, platforms=platforms), 0
+
+
+def _pick_jvp(primals: Any, tangents: Any, *, platforms: tuple[str, ...]) -> tuple[Any, Any]:
+    return _pick_p.bind(*primals, platforms=platforms), tangents[0]
+
+
+batching.primitive_batchers[_pick_p] = _pick_batched
+ad.primitive_jvps[_pick_p] = _pick_jvp
+mlir.register_lowering(_pick_p, lambda ctx, default, on, **_: [default])
+
+
+def _register_pick(platform: str) -> None:
+    def lowered(ctx: Any, default: Any, on: Any, *, platforms: tuple[str, ...]) -> Any:
+        return [on] if platform in platforms else [default]
+
+    mlir.register_lowering(_pick_p, lowered, platform=platform)
+
+
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    _register_pick(_platform)
+
+
+def pick(default: jax.Array, on: jax.Array, platforms: tuple[str, ...]) -> jax.Array:
+    """``on`` where the step is lowered for a platform of ``platforms``, else ``default`` (of
+    the same shape and dtype); the one not picked is dropped by the compiler."""
+    if jnp.shape(default) != jnp.shape(on) or jnp.result_type(default) != jnp.result_type(on):
+        raise ValueError(
+            f"pick: the two values must have one shape and dtype, got "
+            f"{jnp.result_type(default)}{jnp.shape(default)} and {jnp.result_type(on)}"
+            f"{jnp.shape(on)}."
+        )
+    return _pick_p.bind(default, on, platforms=tuple(platforms))
