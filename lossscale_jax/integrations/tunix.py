@@ -106,8 +106,9 @@ def enable(
     - the trainer logs, beside its loss: ``grad_norm`` unscaled (inf or nan on a skipped
       step), ``loss_scale/loss_scale``, ``loss_scale/skipped``, ``loss_scale/skipped_steps``,
       ``loss_scale/overflow_rate`` (the first skipped step also said, with why, in a log
-      line of ``lossscale_jax.integrations.tunix``); an RL learner's actor also the rollout/trainer mismatch
-      on the sampled tokens, before any update (``rollout_mismatch``): ``mismatch/kl``,
+      line of ``lossscale_jax.integrations.tunix``); an RL learner's actor also the
+      rollout/trainer mismatch on the sampled tokens, before any update
+      (``rollout_mismatch``): ``mismatch/kl``,
       ``mismatch/abs_log_ratio``, ``mismatch/max_abs_log_ratio``,
       ``mismatch/clip_fraction`` (the share whose ratio lies outside the learner's clip
       range) and ``mismatch/exact_fraction`` (the share whose log-probs agree bit for bit);
