@@ -254,6 +254,26 @@ def run_policy(policy, flags, state=None) -> Any:
 
 
 # --------------------------------------------------------------------------
+# The small MLP whose steps the formulation and lowering tests compile.
+
+
+def mlp_params() -> dict[str, jax.Array]:
+    """float32 parameters of a 32-64-8 MLP, drawn from a fixed seed."""
+    rng = np.random.default_rng(0)
+    return {
+        "w0": jnp.asarray(rng.normal(0, 0.18, (32, 64)), jnp.float32),
+        "b0": jnp.zeros(64, jnp.float32),
+        "w1": jnp.asarray(rng.normal(0, 0.13, (64, 8)), jnp.float32),
+    }
+
+
+def mlp_loss(p16: Any, x: Any, y: Any) -> jax.Array:
+    """The MLP's squared error, in the parameters' dtype, returned float32."""
+    h = jax.nn.relu(x @ p16["w0"] + p16["b0"])
+    return jnp.mean((h @ p16["w1"] - y) ** 2).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------
 # The repository's scripts as modules.
 
 

@@ -22,6 +22,8 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_step_within_ulps, barriers_survive_fusion, bits
+from helpers import mlp_loss as loss_fn
+from helpers import mlp_params as params_of
 
 import lossscale_jax as lsj
 from lossscale_jax.engine import _skip
@@ -36,20 +38,6 @@ INNERS = {
     "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 }
 FRONTS = ("optax", "fused", "window_3")
-
-
-def params_of():
-    rng = np.random.default_rng(0)
-    return {
-        "w0": jnp.asarray(rng.normal(0, 0.18, (32, 64)), jnp.float32),
-        "b0": jnp.zeros(64, jnp.float32),
-        "w1": jnp.asarray(rng.normal(0, 0.13, (64, 8)), jnp.float32),
-    }
-
-
-def loss_fn(p16, x, y):
-    h = jax.nn.relu(x @ p16["w0"] + p16["b0"])
-    return jnp.mean((h @ p16["w1"] - y) ** 2).astype(jnp.float32)
 
 
 def batches(n, bad_at=2):

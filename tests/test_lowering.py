@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mlp_loss as loss_fn  # tests/ is on sys.path under pytest
+from helpers import mlp_params as params_of
 
 import lossscale_jax as lsj
 from lossscale_jax.engine import _skip
@@ -81,20 +83,6 @@ def runtime_conditionals(text: str) -> int:
         if returns_constants:
             constant.add(result.split(":")[0])
     return runtime
-
-
-def params_of():
-    rng = np.random.default_rng(0)
-    return {
-        "w0": jnp.asarray(rng.normal(0, 0.18, (32, 64)), jnp.float32),
-        "b0": jnp.zeros(64, jnp.float32),
-        "w1": jnp.asarray(rng.normal(0, 0.13, (64, 8)), jnp.float32),
-    }
-
-
-def loss_fn(p16, x, y):
-    h = jax.nn.relu(x @ p16["w0"] + p16["b0"])
-    return jnp.mean((h @ p16["w1"] - y) ** 2).astype(jnp.float32)
 
 
 def traced(front: str):
