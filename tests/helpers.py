@@ -273,6 +273,25 @@ def mlp_loss(p16: Any, x: Any, y: Any) -> jax.Array:
     return jnp.mean((h @ p16["w1"] - y) ** 2).astype(jnp.float32)
 
 
+def mlp_step(tx: Any, fused: bool = False) -> Any:
+    """The README's step on the MLP: float16 forward and backward of float32 parameters,
+    ``lsj.value_and_grad``, then ``tx`` through the Optax path (or ``lsj.apply_gradients``,
+    ``fused``). ``(params, state, x, y) -> (params, state)``, not jitted."""
+    import optax
+
+    import lossscale_jax as lsj
+
+    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+        p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
+        _, grads = lsj.value_and_grad(mlp_loss, state)(p16, x, y)
+        if fused:
+            return lsj.apply_gradients(tx, grads, state, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
 # --------------------------------------------------------------------------
 # The repository's scripts as modules.
 

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_step_within_ulps, barriers_survive_fusion, bits
-from helpers import mlp_loss as loss_fn
+from helpers import assert_step_within_ulps, barriers_survive_fusion, bits, mlp_step
 from helpers import mlp_params as params_of
 
 import lossscale_jax as lsj
@@ -60,13 +59,7 @@ def make_step(front, inner, formulation):
     else:
         tx = lsj.loss_scaling(inner, lsj.DynamicScale(init_scale=2.0**10))
 
-    def step(params, state, x, y):
-        p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
-        _, grads = lsj.value_and_grad(loss_fn, state)(p16, x, y)
-        if front == "fused":
-            return lsj.apply_gradients(tx, grads, state, params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step = mlp_step(tx, fused=front == "fused")
 
     with _skip.formulation(formulation):
         jitted = jax.jit(step)

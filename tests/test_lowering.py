@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mlp_loss as loss_fn  # tests/ is on sys.path under pytest
 from helpers import mlp_params as params_of
+from helpers import mlp_step
 
 import lossscale_jax as lsj
 from lossscale_jax.engine import _skip
@@ -93,13 +93,7 @@ def traced(front: str):
     else:
         tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
 
-    def step(params, state, x, y):
-        p16 = jax.tree.map(lambda a: a.astype(jnp.float16), params)
-        _, grads = lsj.value_and_grad(loss_fn, state)(p16, x, y)
-        if front == "fused":
-            return lsj.apply_gradients(tx, grads, state, params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step = mlp_step(tx, fused=front == "fused")
 
     x, y = jnp.ones((16, 32), jnp.float16), jnp.ones((16, 8), jnp.float16)
     return jax.jit(step).trace(params_of(), tx.init(params_of()), x, y)
