@@ -45,6 +45,7 @@ def loss_scaling_multi_steps(
     on_stuck: str = "skip",
     local_axes: AxisName | None = None,
     attribution: str | None = "reduced",
+    check_wiring: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Loss scaling over windows of ``every_k`` micro-batches (gradient accumulation).
 
@@ -98,6 +99,9 @@ def loss_scaling_multi_steps(
         last completed window's micro-batches
         (``LossScalingMultiStepsState.leaf_overflow``).
 
+      check_wiring: ``False`` turns the wiring check off for this transformation (the
+        check that refuses, while the step is traced, gradients ``update`` must not divide
+        by the scale; docs/errors.md). ``lsj.no_wiring_check()`` turns it off for a block.
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a
       ``LossScalingMultiStepsState``.
@@ -128,6 +132,7 @@ def loss_scaling_multi_steps(
         local_axes=local_axes,
         on_stuck=on_stuck,
         attribution=attribution,
+        check_wiring=check_wiring,
     )
     inner = prepare_inner(inner, "loss_scaling_multi_steps")
     measures = engine.policy.measures_range

@@ -60,6 +60,7 @@ def loss_scaling(
     on_stuck: str = "skip",
     local_axes: AxisName | None = None,
     attribution: str | None = "reduced",
+    check_wiring: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss scaling: unscale, check, adjust, skip on overflow.
 
@@ -131,6 +132,9 @@ def loss_scaling(
         sharded ``out_specs``). ``None``: no record. Without ``axis_name`` the
         first two are the same.
 
+      check_wiring: ``False`` turns the wiring check off for this transformation (the
+        check that refuses, while the step is traced, gradients ``update`` must not divide
+        by the scale; docs/errors.md). ``lsj.no_wiring_check()`` turns it off for a block.
     Returns:
       An ``optax.GradientTransformationExtraArgs`` (which ``apply_gradients``
       can also run fused).
@@ -166,6 +170,7 @@ def loss_scaling(
         local_axes=local_axes,
         on_stuck=on_stuck,
         attribution=attribution,
+        check_wiring=check_wiring,
     )
     inner = prepare_inner(inner, "loss_scaling")
 

@@ -63,7 +63,7 @@ def test_gradients_of_an_unscaled_loss_are_refused(name):
         grads = jax.grad(loss_fn)(params)  # a trainer that takes grad(loss) itself
         return tx.update(grads, opt_state, params)
 
-    with pytest.raises(WiringError, match="never multiplied by the optimizer state's loss scale"):
+    with pytest.raises(WiringError, match="loss scale to the power 0: .* never multiplied"):
         step(PARAMS, tx.init(PARAMS))
 
 
@@ -126,9 +126,18 @@ def _helper_scales_caller_scales_again(p, s):
     return lsj.scale_loss(0.5 * helper(p) + 0.1 * jnp.sum(p["b"] ** 2), s)  # ... and again
 
 
-@pytest.mark.parametrize("twice", [_scales_twice_directly, _helper_scales_caller_scales_again])
+@pytest.mark.parametrize(
+    ("twice", "message"),
+    [
+        # scale_loss of a loss that carries the scale: refused where scale_loss is called
+        (_scales_twice_directly, "given a loss that already carries the optimizer state's"),
+        # a scaled part plus an unscaled one, scaled again: the gradients carry the scale to
+        # the powers 2 and 1, refused at the update
+        (_helper_scales_caller_scales_again, "different powers .* powers seen: 1, 2"),
+    ],
+)
 @pytest.mark.parametrize("name", ["dynamic", "static"])
-def test_a_loss_scaled_twice_is_refused(name, twice):
+def test_a_loss_scaled_twice_is_refused(name, twice, message):
     # Before: StaticScale(64) gave SGD updates 64x too large; DynamicScale backed off to
     # 2**7 and applied updates 2**7 too large.
     tx = lsj.loss_scaling(optax.sgd(0.1), POLICIES[name])
@@ -138,7 +147,7 @@ def test_a_loss_scaled_twice_is_refused(name, twice):
         grads = jax.grad(lambda p: twice(p, opt_state))(params)
         return tx.update(grads, opt_state, params)
 
-    with pytest.raises(WiringError, match="already went through lsj.scale_loss"):
+    with pytest.raises(WiringError, match=message):
         step(PARAMS, tx.init(PARAMS))
 
 
@@ -150,7 +159,7 @@ def test_value_and_grad_of_a_loss_function_that_scales_itself_is_refused():
         scaled_loss_fn = lambda p: lsj.scale_loss(loss_fn(p), opt_state)  # noqa: E731
         return lsj.value_and_grad(scaled_loss_fn, opt_state)(params)
 
-    with pytest.raises(WiringError, match="scaled twice"):
+    with pytest.raises(WiringError, match="would be scaled twice"):
         step(PARAMS, tx.init(PARAMS))
 
 
@@ -224,16 +233,10 @@ def test_an_integer_gradient_leaf_is_refused():
 # -- 5. the gradients must be the backward pass of the loss scale_loss scaled, once ---------
 
 
-@contextlib.contextmanager
 def _unchecked():
-    """The check blind (what a JAX without the internals it reads would do): the step as it
-    trains without the check, to measure what the check prevents."""
-    saved = _tracers.AVAILABLE
-    _tracers.AVAILABLE = False
-    try:
-        yield
-    finally:
-        _tracers.AVAILABLE = saved
+    """The check switched off (the documented block): the step as it trains without the
+    check, to measure what the check prevents."""
+    return lsj.no_wiring_check()
 
 
 def loss32(p, x=X):
@@ -267,15 +270,17 @@ def test_a_scaled_loss_only_logged_is_refused():
         return updates, (opt_state, logged)
 
     assert _ratio(step, tx) == pytest.approx(2.0**-12, rel=1e-3)
-    with pytest.raises(WiringError, match="not the backward pass of the loss") as e:
+    with pytest.raises(WiringError, match="power 0: they are not the backward pass of the loss") as e:
         jax.jit(step)(PARAMS, tx.init(PARAMS))
     assert "too small by the scale (2**12 at this DynamicScale's start" in str(e.value)
     assert "lsj.value_and_grad(loss_fn, opt_state)" in str(e.value)
 
 
-def test_unscaled_gradients_clipped_at_a_scaled_threshold_are_refused():
+def test_unscaled_gradients_clipped_at_a_scaled_threshold_warn():
     # PyTorch's habit: clip at max_norm * loss scale. The threshold reads the scale, the
-    # gradients do not carry it: 1/4096 at 2**12 (the clip does not bind here).
+    # gradients do not carry it: 1/4096 at 2**12 (the clip does not bind here). Where the
+    # clip binds, the clipped gradients carry the scale (their size is right), so the check
+    # cannot prove every step wrong: it warns, naming both forms.
     tx = lsj.loss_scaling(optax.sgd(0.1), lsj.DynamicScale(init_scale=2.0**12))
 
     def step(params, opt_state):
@@ -286,9 +291,8 @@ def test_unscaled_gradients_clipped_at_a_scaled_threshold_are_refused():
         return tx.update(grads, opt_state, params)
 
     assert _ratio(step, tx) == pytest.approx(2.0**-12, rel=1e-3)
-    with pytest.raises(WiringError, match="only after their backward pass") as e:
+    with pytest.warns(WiringWarning, match=r"after \(power 1\), free \(power 0\)"):
         jax.jit(step)(PARAMS, tx.init(PARAMS))
-    assert "optax.clip_by_global_norm(max_norm), inner)" in str(e.value)
 
 
 @pytest.mark.parametrize("where", ["after", "before"])
@@ -308,9 +312,14 @@ def test_a_scale_multiplied_by_hand_besides_scale_loss_is_refused(where):
         return tx.update(jax.grad(lambda p: twice(p, opt_state))(params), opt_state, params)
 
     assert _ratio(step, tx) == pytest.approx(2.0**8, rel=1e-3)
-    with pytest.raises(WiringError, match="carry the optimizer state's loss scale twice") as e:
+    message = {
+        "after": "carry the optimizer state's loss scale to the power 2",  # at the update
+        "before": "already carries the optimizer state's loss scale",  # at scale_loss
+    }[where]
+    with pytest.raises(WiringError, match=message) as e:
         jax.jit(step)(PARAMS, tx.init(PARAMS))
-    assert "2**8 at this DynamicScale's start" in str(e.value)
+    if where == "after":
+        assert "too large by the scale (2**8 at this DynamicScale's start" in str(e.value)
 
 
 def _gan(swap):

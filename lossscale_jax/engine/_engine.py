@@ -86,6 +86,7 @@ class Engine:
     local: tuple[Hashable, ...]
     on_stuck: str
     attribution: str | None
+    wiring_checked: bool = True
 
     @classmethod
     def build(
@@ -100,6 +101,7 @@ class Engine:
         on_stuck: Any = "skip",
         attribution: Any = "reduced",
         policy_name: str = "policy",
+        check_wiring: Any = True,
     ) -> Engine:
         """An engine from a front-end's arguments; a bad one raises, naming it."""
         reduced, local = _devices.validate_axes(axis_name, local_axes)
@@ -113,6 +115,7 @@ class Engine:
             local=local,
             on_stuck=_stuck.validate_on_stuck(on_stuck),
             attribution=validate_attribution(attribution),
+            wiring_checked=_wiring.validate_switch(check_wiring),
         )
 
     def empty_record(self, params: Any) -> jax.Array | None:
@@ -187,7 +190,9 @@ class Engine:
         """Refuses, while the step is traced, gradients this update must not divide by
         ``scale``: non-float leaves, and the wirings ``_wiring`` sees going wrong."""
         _wiring.refuse_non_float(grads, self.where)
-        _wiring.check_update(grads, scale, self.where, self.policy)
+        _wiring.check_update(
+            grads, scale, self.where, self.policy, switched_on=self.wiring_checked
+        )
 
     def _with_taps(
         self, taps: Any, scale: jax.Array, found: jax.Array, amax: jax.Array | None

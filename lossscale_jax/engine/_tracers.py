@@ -36,6 +36,7 @@ try:  # JAX's internals: present in every JAX the package admits (see the docstr
     _JitTrace: Any = _pe.DynamicJaxprTrace
     _Transform: Any = _source_info.Transform
     _trace_ctx: Any = _core.trace_ctx
+    _Literal: Any = _core.Literal
     from lossscale_jax.engine._jaxprs import ClosedJaxpr as _ClosedJaxpr
 
     _PROGRAMS: tuple[type, ...] = (_core.Jaxpr, _ClosedJaxpr)
@@ -101,171 +102,72 @@ def _transformed(eqn: Any, name: str) -> bool:
     return any(isinstance(s, _Transform) and s.name == name for s in stack)
 
 
-class Ancestry:
-    """What a walk back from some tracers of one frame found among the operations they
-    depend on: a target tracer, a backward pass's operation."""
-
-    def __init__(self) -> None:
-        self.found = False
-        self.backward = False
+def transposed(eqn: Any) -> bool:
+    """Whether an operation (of a frame or of a jaxpr) belongs to a backward pass: its name
+    stack has ``transpose``, as a profile shows ``transpose(jvp(...))``."""
+    return _transformed(eqn, "transpose")
 
 
-def walk(
-    roots: Iterable[Any],
-    targets: Iterable[Any] = (),
-    *,
-    through: str | None = None,
-) -> Ancestry:
-    """Walks back from the jit tracers ``roots`` through the operations they depend on.
+def rematted(eqn: Any) -> bool:
+    """Whether an operation of a rematerialised program recomputes the forward pass (its
+    name stack has the scope ``rematted_computation``): not the backward pass around it."""
+    stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
+    return any(getattr(s, "name", None) == "rematted_computation" for s in stack)
 
-    Stops early once a tracer standing for one of ``targets`` is found. ``through``: follow
-    only operations whose name stack has that transform (``"jvp"``: the forward pass of one
-    differentiation), else every operation of the frame.
-    """
-    goal_vals = {id(t.val) for t in targets if isinstance(t, _JitTracer)}
-    out = Ancestry()
-    seen: set[int] = set()
-    stack = [t for t in roots if isinstance(t, _JitTracer)]
-    while stack:
-        t = stack.pop()
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        if id(t.val) in goal_vals:
-            out.found = True
-            return out
-        eqn = t.parent
-        if eqn is None:
-            continue
-        if through is not None and not _transformed(eqn, through):
-            continue
-        if not out.backward and _transformed(eqn, "transpose"):
-            out.backward = True
-        stack.extend(x for x in eqn.in_tracers if isinstance(x, _JitTracer))
+
+def variable(tracer: Any) -> Any | None:
+    """The variable of the frame a jit tracer stands for (``None`` for a literal)."""
+    val = tracer.val
+    return None if isinstance(val, _Literal) else val
+
+
+def producer(tracer: Any) -> Any | None:
+    """The operation of the frame that made a jit tracer (``None``: an input, a literal or a
+    constant of the frame). It has ``primitive``, ``params``, ``outvars`` and
+    ``source_info`` as a jaxpr's equation has."""
+    return tracer.parent
+
+
+def inputs(eqn: Any) -> list[Any]:
+    """The jit tracers an operation of the frame read, in its operands' order."""
+    return list(eqn.in_tracers)
+
+
+def known_value(tracer: Any) -> tuple[bool, Any]:
+    """``(True, value)`` for a literal or a constant of the frame (an array the traced
+    function closed over), else ``(False, None)``."""
+    val = tracer.val
+    if is_literal(val):
+        return True, val.val
+    consts = getattr(getattr(tracer._trace, "frame", None), "constvar_to_val", None)
+    if isinstance(consts, dict) and val in consts:
+        return True, consts[val]
+    return False, None
+
+
+def is_literal(atom: Any) -> bool:
+    """Whether an operand of a jaxpr's equation is a literal (not a variable)."""
+    return isinstance(atom, _Literal)
+
+
+def programs(eqn: Any) -> list[Any]:
+    """The programs (jaxprs) an operation holds: a loop's body, a call's, a branch's."""
+    out: list[Any] = []
+    for v in getattr(eqn, "params", {}).values():
+        items = v if isinstance(v, tuple | list) else (v,)
+        out.extend(x for x in items if isinstance(x, _PROGRAMS))
     return out
 
 
-def _is_function(x: Any) -> bool:
-    """A function an operation keeps (a custom rule, a callback), not a dtype class."""
-    return callable(x) and not isinstance(x, type)
+def open_jaxpr(program: Any) -> Any:
+    """The jaxpr of a program (a closed jaxpr's, or the jaxpr itself)."""
+    inner = getattr(program, "jaxpr", program)
+    return inner if isinstance(inner, _core.Jaxpr) else program
 
 
-def _holds_program(eqn: Any) -> bool:
-    """Whether an operation holds a program of its own (a loop, a branch, a call)."""
-    for v in getattr(eqn, "params", {}).values():
-        items = v if isinstance(v, tuple | list) else (v,)
-        if any(isinstance(x, _PROGRAMS) or _is_function(x) for x in items):
-            return True
-    return False
+def constvars(program: Any) -> list[Any]:
+    return list(getattr(open_jaxpr(program), "constvars", ()))
 
 
-class Carried(NamedTuple):
-    """How some tracers of one frame carry one scale of it (:func:`carried`).
-
-    Attributes:
-      depth: along the path that carries it most, how many times the scale entered a backward
-        pass (an operation of the backward pass read a value of the forward pass that depends
-        on it: the multiplication of a cotangent by it), 2 standing for two or more.
-      forward: they depend on the scale without it entering a backward pass (a value computed
-        from it after the gradients were taken, such as a clipping threshold).
-      opaque: an operation holding a program of its own (a loop, a nested ``jit``, a
-        ``checkpoint``) read the scale: what it did with it is not seen here.
-      backward: an operation of a backward pass is among what they depend on.
-    """
-
-    depth: int
-    forward: bool
-    opaque: bool
-    backward: bool
-
-
-# Per tracer: (depends on the scale, holds its magnitude, depth, opaque, backward).
-_State = tuple[bool, bool, int, bool, bool]
-_NOTHING: _State = (False, False, 0, False, False)
-_TARGET: _State = (True, True, 0, False, False)
-# Floating results that keep none of their input's magnitude.
-_SIGNS = frozenset({"sign"})
-
-
-def _inexact(tracer: Any) -> bool:
-    dtype = getattr(getattr(tracer, "aval", None), "dtype", None)
-    return dtype is not None and np.issubdtype(dtype, np.inexact)
-
-
-def _combine(eqn: Any, ins: list[_State]) -> _State:
-    """An operation's state from its inputs' (its outputs' magnitude: see ``_of``)."""
-    depends = any(x[0] for x in ins)
-    name = getattr(getattr(eqn, "primitive", None), "name", None)
-    magnitude = any(x[1] for x in ins) and name not in _SIGNS
-    depth = max((x[2] for x in ins), default=0)
-    opaque = any(x[3] for x in ins)
-    transposed = _transformed(eqn, "transpose")
-    backward = transposed or any(x[4] for x in ins)
-    if any(x[1] and x[2] == 0 for x in ins):  # the scale's magnitude, not yet in a backward
-        if _holds_program(eqn):
-            opaque = True
-        elif transposed:
-            depth = min(depth + 1, 2)
-    return depends, magnitude, depth, opaque, backward
-
-
-def _of(tracer: Any, state: _State) -> _State:
-    """An output's state: a comparison's bool, an index, hold no magnitude of the scale (the
-    predicate of the select a ``max`` or a ``where`` differentiates into)."""
-    if state[1] and not _inexact(tracer):
-        return (state[0], False, *state[2:])
-    return state
-
-
-def carried(roots: Iterable[Any], target: Any) -> Carried:
-    """How the jit tracers ``roots`` carry the jit tracer ``target`` (a scale) of their frame.
-
-    Every operation the roots depend on is visited once (the target's own ancestors aside).
-    Rule, per tracer ``t`` made by an operation ``e`` from the tracers ``ins``::
-
-      depends(t)   = t is target or any(depends(x) for x in ins)
-      magnitude(t) = t is target or (t is floating, e is no sign, any(magnitude(x)))
-      depth(t)     = max(depth(x) for x in ins)
-                     + 1 if e is a backward pass's (and holds no program) and some x in
-                         ins holds the scale's magnitude with depth(x) == 0  # it enters
-      opaque(t)    = any(opaque(x)) or (e holds a program and some such x is in ins)
-    """
-    goal = id(target.val)
-    by_var: dict[int, _State] = {}
-    by_eqn: dict[int, _State] = {}
-    roots = [t for t in roots if isinstance(t, _JitTracer)]
-    for root in roots:
-        stack = [root]
-        while stack:
-            t = stack[-1]
-            key = id(t.val)
-            if key in by_var:
-                stack.pop()
-                continue
-            eqn = t.parent
-            if key == goal:
-                by_var[key] = _TARGET
-                stack.pop()
-                continue
-            if eqn is None:
-                by_var[key] = _NOTHING
-                stack.pop()
-                continue
-            done = by_eqn.get(id(eqn))
-            if done is None:
-                ins = [x for x in eqn.in_tracers if isinstance(x, _JitTracer)]
-                pending = [x for x in ins if id(x.val) not in by_var]
-                if pending:
-                    stack.extend(pending)
-                    continue
-                done = _combine(eqn, [by_var[id(x.val)] for x in ins])
-                by_eqn[id(eqn)] = done
-            by_var[key] = _of(t, done)
-            stack.pop()
-    states = [by_var[id(t.val)] for t in roots]
-    return Carried(
-        depth=max((x[2] for x in states), default=0),
-        forward=any(x[0] and x[2] == 0 for x in states),
-        opaque=any(x[3] for x in states),
-        backward=any(x[4] for x in states),
-    )
+def consts(program: Any) -> list[Any]:
+    return list(getattr(program, "consts", ()) or ())

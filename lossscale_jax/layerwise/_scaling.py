@@ -31,6 +31,7 @@ def layerwise_scaling(
     on_stuck: str = "skip",
     attribution: str | None = "reduced",
     every_k: int = 1,
+    check_wiring: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with per-layer loss scaling: one scale per segment, one skip decision.
 
@@ -61,6 +62,9 @@ def layerwise_scaling(
         micro-batch is checked and folded into the window's check, an overflowing one is
         left out of the sum, and the rule runs once at the window's end).
 
+      check_wiring: ``False`` turns the wiring check off for this transformation (the
+        check that refuses, while the step is traced, gradients ``update`` must not divide
+        by the scale; docs/errors.md). ``lsj.no_wiring_check()`` turns it off for a block.
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes ``taps=``
       (required: the ``TapStats`` of ``lsj.layerwise.value_and_grad``); ``apply_gradients``
@@ -86,6 +90,7 @@ def layerwise_scaling(
         local_axes=local_axes,
         on_stuck=on_stuck,
         attribution=attribution,
+        check_wiring=check_wiring,
     )
     every_k = check_int("every_k", every_k, 1)
     run = LayerwiseStep(engine, prepare_inner(inner, "layerwise_scaling"), policy, layers, every_k)
