@@ -22,6 +22,7 @@ from lossscale_jax.access._access import get_loss_scale_state, scale_loss
 from lossscale_jax.engine._check import is_float
 from lossscale_jax.engine._hyper import check_argnums
 from lossscale_jax.engine._unscale import inverse
+from lossscale_jax.engine._wiring import refuse_scaled_twice
 
 __all__ = ["unscaled_global_norm", "value_and_grad"]
 
@@ -120,6 +121,7 @@ def value_and_grad(
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         (_, (loss, aux)), grads = differentiate(*args, **kwargs)
+        refuse_scaled_twice(grads, _scale(opt_state))
         return ((loss, aux) if has_aux else loss), grads
 
     return run

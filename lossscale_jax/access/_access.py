@@ -242,7 +242,6 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
         raise ValueError(
             f"loss must be a scalar, got shape {loss.shape}; reduce it (e.g. mean) first."
         )
-    _wiring.refuse_scaled_twice(loss, scale)
     dtype = at_least_float32(loss.dtype)
     _loss_note.note(scale, loss.dtype)  # the update of this step reads it (HeadroomScale)
     tapped = jnp.asarray(tap_array(loss, "loss"))  # the identity unless taps are recorded

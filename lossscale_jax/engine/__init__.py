@@ -12,7 +12,9 @@ dtype note (``_loss_note``), the optimizer states the front-ends keep (``_opt_st
 a ``LossScaleState`` sits and the nestings refused (``_nesting``), accumulation windows
 (``_window``), hyperparameter checks (``_hyper``), exact divisions and ratios (``_division``,
 ``_ratio``), ``ClosedJaxpr`` across JAX versions (``_jaxprs``), the wiring check that refuses a
-step wired to train silently wrong (``_wiring``), where an update lands (``_landing``: float16
+step wired to train silently wrong (``_wiring``: its switches and flow; ``_powers``: the power
+of the scale a value carries, rule by primitive; ``_interpret``: those rules run over a traced
+step and the programs it holds; ``_verdicts``: what a gradient's powers say, in its messages), where an update lands (``_landing``: float16
 parameters, master copies, the landing check) and the tracing internals it reads (``_tracers``,
 the one module that imports ``jax._src``).
 

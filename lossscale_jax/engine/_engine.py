@@ -50,10 +50,9 @@ class Check(NamedTuple):
     """What one step's overflow check saw, reduced over the devices of ``axis_name``.
 
     Attributes:
-      overflow: bool scalar: a gradient overflowed on some device, or the scale in
-        the state is not finite and > 0.
-      flags: ``bool[n]``, one per gradient leaf (ORed over the devices with
-        ``attribution="reduced"``); ``None`` when no record is kept.
+      overflow: bool scalar: a gradient overflowed on some device, or the scale is bad.
+      flags: ``bool[n]``, one per gradient leaf (ORed over the devices with ``"reduced"``
+        attribution); ``None`` when no record is kept.
       amax: float32 scalar, ``max |scaled g| / (scale * finfo(compute_dtype).max)``
         (the largest over the devices); ``None`` unless the policy measures it.
       unlanded, unlanded_flags, float16_leaves: an update would write inf or nan into a
@@ -187,12 +186,9 @@ class Engine:
         return Check(found, flags if keep else None, amax)
 
     def check_wiring(self, grads: Any, scale: jax.Array) -> None:
-        """Refuses, while the step is traced, gradients this update must not divide by
-        ``scale``: non-float leaves, and the wirings ``_wiring`` sees going wrong."""
+        """Refuses gradients this update must not divide by ``scale`` (``_wiring``)."""
         _wiring.refuse_non_float(grads, self.where)
-        _wiring.check_update(
-            grads, scale, self.where, self.policy, switched_on=self.wiring_checked
-        )
+        _wiring.check_update(grads, scale, self.where, self.policy, self.wiring_checked)
 
     def _with_taps(
         self, taps: Any, scale: jax.Array, found: jax.Array, amax: jax.Array | None
@@ -305,9 +301,8 @@ class Engine:
     def fold(window: Check, this: Check) -> Check:
         """The window's check after one more micro-batch: flags ORed, ranges maxed.
 
-        ``window`` is what the window saw so far (``False``, no flag, range 0 at
-        its start); both are already reduced over the devices, so the fold is
-        the same on every device.
+        ``window`` is what the window saw so far (``False``, no flag, range 0 at its start);
+        both are already reduced over the devices, so the fold is the same on every device.
         """
         flags = None
         if this.flags is not None and window.flags is not None:

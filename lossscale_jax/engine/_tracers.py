@@ -21,10 +21,7 @@ step's program or its values, it only refuses wirings at trace time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import Any
 
 try:  # JAX's internals: present in every JAX the package admits (see the docstring)
     from jax._src import core as _core
