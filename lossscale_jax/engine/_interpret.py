@@ -101,7 +101,7 @@ class Powers:
     ) -> tuple[list[_powers.Value], bool]:
         n_out = len(eqn.outvars)
         name = eqn.primitive.name
-        programs = _tracers.programs(eqn)
+        programs = [] if _powers.has_rule(name) else _tracers.programs(eqn)
         inner_bwd = False
         if name == "cond" and programs:
             outs, inner_bwd = self._cond(eqn, programs, ins, keys, transposed)

@@ -221,12 +221,22 @@ _PER_OPERAND = frozenset(
 )  # fmt: skip
 
 
+_RULED = frozenset(
+    _LINEAR | _INDEXED | _REDUCING | _CHOOSING | _BILINEAR | set(_POWERS) | _PER_OPERAND
+)
+
+
 def inexact(aval: Any) -> bool:
     dtype = getattr(aval, "dtype", None)
     try:
         return dtype is not None and np.issubdtype(dtype, np.inexact)
     except TypeError:  # an extended dtype (a PRNG key)
         return False
+
+
+def has_rule(name: str) -> bool:
+    """Whether a primitive has a rule here (a scatter's combiner program is not a call)."""
+    return name in _RULED
 
 
 def apply(name: str, params: dict[str, Any], ins: list[Value], n_out: int) -> list[Value]:
