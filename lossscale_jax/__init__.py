@@ -22,7 +22,6 @@ from lossscale_jax.checkpoint import (
 )
 from lossscale_jax.diagnosis import Diagnosis, LeafDiagnosis, TapDiagnosis, diagnose
 from lossscale_jax.engine._state import keep_policy_state
-from lossscale_jax.engine._wiring import no_wiring_check
 from lossscale_jax.fused import apply_gradients
 from lossscale_jax.gradients import unscaled_global_norm, value_and_grad
 from lossscale_jax.layerwise import layerwise_scaling
@@ -48,6 +47,7 @@ from lossscale_jax.transform import (
     get_loss_scale_state,
     loss_scaling,
     metrics,
+    no_wiring_check,
     overflowed_leaves,
     reduce_overflow,
     scale_loss,

@@ -32,6 +32,7 @@ from lossscale_jax.engine._engine import (
 from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax.engine._opt_states import LossScalingState
+from lossscale_jax.engine._wiring import no_wiring_check
 from lossscale_jax.policies import LossScalePolicy
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "get_loss_scale_state",
     "loss_scaling",
     "metrics",
+    "no_wiring_check",
     "overflowed_leaves",
     "reduce_overflow",
     "scale_loss",

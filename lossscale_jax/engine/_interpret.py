@@ -176,8 +176,11 @@ class Powers:
         n_out: int,
         transposed: bool,
     ) -> tuple[list[_powers.Value], bool]:
-        consts = int(params.get("num_consts", 0))
-        carries = int(params.get("num_carry", 0))
+        if "ft_in" in params:  # JAX 0.12: a flat tree of (consts, carry, xs)
+            parts = params["ft_in"].update(list(range(len(ins)))).unpack()
+            consts, carries = len(list(parts[0])), len(list(parts[1]))
+        else:
+            consts, carries = int(params["num_consts"]), int(params["num_carry"])
         fixed, xs = ins[:consts], ins[consts + carries :]
         carry = list(ins[consts : consts + carries])
         outs, bwd = self._run(body, fixed + carry + xs, transposed)

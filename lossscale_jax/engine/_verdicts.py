@@ -180,11 +180,18 @@ def uncertain(leaf: Leaf, policy: Any) -> str:
             "there are lost: loss scaling does not do its work. " + FIX
         )
     found = ", ".join(f"{n} (power {k})" if n not in (RIGHT, UNKNOWN) else n for n, k in leaf.kinds)
+    clip = (
+        " Unscaled gradients clipped at max_norm * scale give these two forms: clip inside the "
+        "loss scaling, on the unscaled gradients: "
+        "lsj.loss_scaling(optax.chain(optax.clip_by_global_norm(max_norm), inner), policy)."
+        if names >= {FREE, AFTER}
+        else ""
+    )
     return (
         f"the gradient leaf at {leaf.path} takes one of several forms (a select, a max, a "
         f"branch or a loop picks between them): {found}. Only a form that carries the loss "
         "scale once, through the backward pass, gives the right update; the check cannot "
-        f"tell which form a step takes ({in_force(policy)}). " + FIX
+        f"tell which form a step takes ({in_force(policy)}). " + FIX + clip
     )
 
 

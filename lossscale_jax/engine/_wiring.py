@@ -7,7 +7,8 @@ from its start (so that float16 cannot underflow there). Inside one traced step 
 ends. When ``update`` is traced with a traced scale, ``_interpret`` runs the rules of
 ``_powers`` over the step traced so far, backward pass, loops, calls and remat included, and
 says which power of ``S`` each gradient leaf carries, and whether ``S`` reached it through the
-backward pass (mark 2) or outside it (mark 1); ``_verdicts`` says what that means. Per leaf, each alternative it may take (a select picks one)::
+backward pass (mark 2) or outside it (mark 1); ``_verdicts`` says what that means. Per leaf,
+each alternative it may take (a select picks one)::
 
   S**1, through the backward pass    right
   zero                               right (a leaf the loss does not depend on)
