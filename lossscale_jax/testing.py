@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lossscale_jax.engine import _tracers
 from lossscale_jax.engine._jaxprs import ClosedJaxpr
 
 __all__ = ["saturate", "saturating"]
@@ -200,7 +201,7 @@ def _eval(jaxpr: jex.Jaxpr, consts: Any, args: Any, dtype: np.dtype) -> list[Any
         if isinstance(bind_params, tuple):  # older jax returns (subfuns, params)
             subfuns, bind_params = bind_params
         ctx = getattr(eqn, "ctx", None)
-        with getattr(ctx, "manager", None) or contextlib.nullcontext():
+        with _tracers.replaying(eqn), getattr(ctx, "manager", None) or contextlib.nullcontext():
             outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
         if not eqn.primitive.multiple_results:
             outs = [outs]

@@ -908,34 +908,56 @@ CASES += [
         "gradients of an unscaled loss",
         lambda: _wired("unscaled"),
         ValueError,
-        "loss_scaling: the gradients given to update were computed in this step from a loss "
-        "that was never multiplied by the optimizer state's loss scale",
+        "loss_scaling: the gradients given to update carry the optimizer state's loss scale to "
+        "the power 0: they were computed in this step from a loss that was never multiplied "
+        "by the scale",
     ),
     (
         "a loss scaled twice",
         lambda: _wired("twice"),
         ValueError,
-        "lsj.scale_loss was given a loss that already went through lsj.scale_loss in this step",
+        "loss_scaling: the gradients given to update carry the optimizer state's loss scale to "
+        "the power 2",
     ),
     (
         "a scaled loss only logged",
         lambda: _wired("logged"),
         ValueError,
-        "loss_scaling: the gradients given to update are not the backward pass of the loss "
-        "lsj.scale_loss scaled in this step",
+        "loss_scaling: the gradients given to update carry the optimizer state's loss scale to "
+        "the power 0: they are not the backward pass of the loss lsj.scale_loss scaled in this "
+        "step",
     ),
     (
-        "unscaled gradients clipped at a scaled threshold",
-        lambda: _wired("clipped"),
+        "gradients unscaled before update",
+        lambda: _wired("unscaled_by_hand"),
         ValueError,
-        "loss_scaling: the gradients given to update depend on the optimizer state's loss "
-        "scale only after their backward pass",
+        "the scale entered them and was divided out again",
+    ),
+    (
+        "one term of the loss scaled",
+        lambda: _wired("one_term"),
+        ValueError,
+        "a sum of parts that carry the optimizer state's loss scale to different powers",
+    ),
+    (
+        "value_and_grad of a loss that scales itself",
+        lambda: _wired("value_and_grad_twice"),
+        ValueError,
+        "lsj.value_and_grad: the loss function already multiplies its loss by the optimizer "
+        "state's loss scale",
+    ),
+    (
+        "unscaled gradients clipped at a scaled threshold (a warning)",
+        lambda: _wired("clipped"),
+        lsj.errors.WiringWarning,
+        "the gradient leaf at ['w'] takes one of several forms",
     ),
     (
         "a scale multiplied by hand beside scale_loss",
         lambda: _wired("by_hand"),
         ValueError,
-        "loss_scaling: the gradients given to update carry the optimizer state's loss scale twice",
+        "loss_scaling: the gradients given to update carry the optimizer state's loss scale to "
+        "the power 2",
     ),
     (
         "two models' states swapped",
@@ -985,7 +1007,7 @@ def _wired(mistake):
     def loss(p):
         return jnp.sum(p["w"] ** 2)
 
-    def step(p, s):
+    def step(p, s, s2):  # s2: a second model's state
         scale = lsj.get_loss_scale_state(s).scale
         if mistake == "int":
             return tx.update({"w": jnp.ones(2, jnp.int32)}, s, p)
@@ -996,8 +1018,16 @@ def _wired(mistake):
         if mistake == "clipped":  # PyTorch's clip at max_norm * scale, of unscaled gradients
             clip = optax.clip_by_global_norm(1.0 * scale)
             return tx.update(clip.update(jax.grad(loss)(p), clip.init(p))[0], s, p)
+        if mistake == "unscaled_by_hand":  # update unscales them once more
+            g = jax.grad(lambda q: lsj.scale_loss(loss(q), s))(p)
+            return tx.update(lsj.unscale(g, scale), s, p)
+        if mistake == "one_term":  # scale_loss(a, s) + b
+            g = jax.grad(lambda q: lsj.scale_loss(loss(q), s) + jnp.sum(q["w"]))(p)
+            return tx.update(g, s, p)
+        if mistake == "value_and_grad_twice":  # a loss function that scales itself
+            return lsj.value_and_grad(lambda q: lsj.scale_loss(loss(q), s), s)(p)
         if mistake == "swapped":  # a second model, each loss scaled with the other's state
-            other = tx.init(p)
+            other = s2
             first = jax.grad(lambda q: lsj.scale_loss(loss(q), other))(p)
             second = jax.grad(lambda q: lsj.scale_loss(2 * loss(q), s))(p)
             return tx.update(first, s, p), tx.update(second, other, p)
@@ -1009,7 +1039,7 @@ def _wired(mistake):
         }[mistake]
         return tx.update(jax.grad(scaled)(p), s, p)
 
-    return jax.jit(step)(params, state)
+    return jax.jit(step)(params, state, tx.init(params))
 
 
 # The cases that map over 8 devices (conftest.py skips them, saying so, where the default

@@ -22,7 +22,10 @@ says what the analysis found, in the right direction, naming both off switches.
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -567,3 +570,19 @@ def test_the_penalty_recipe_program_is_the_same_with_and_without_the_check():
     with lsj.no_wiring_check():
         without = str(jax.make_jaxpr(step)(PARAMS, tx.init(PARAMS)))
     assert with_check == without
+
+
+def test_the_benchmarks_gpt_step_is_right_and_the_benchmark_runs():
+    # benchmarks/bench_wiring.py at a tiny size, warnings as errors: its GPT (an embedding's
+    # gather, attention, layer norms, GELU) is a right wiring, and the benchmark prints its
+    # ratio.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_wiring.py"
+    out = subprocess.run(
+        [sys.executable, "-W", "error", str(script), "--rounds", "1", "--layers", "1"]
+        + ["--width", "64"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "on / off:" in out.stdout and "GPT 0.6M params" in out.stdout

@@ -216,11 +216,13 @@ class DynamicScale:
         """
         # The mean over axis_name is the same on every device, so each decides alone on
         # it (local_axes), as Flax does; under another mapped axis the engine refuses.
+        # Flax's method checks the gradients it has unscaled itself: no wiring to check.
         engine = Engine.build(
             "compat.flax.DynamicScale.value_and_grad",
             self.policy,
             local_axes=axis_name,
             attribution=None,
+            check_wiring=False,
         )
         scale = self.scale
 

@@ -26,6 +26,10 @@ class Powers:
 
     def __init__(self, target: Any) -> None:
         self.goal = _tracers.variable(target)
+        # A scale that is a constant of the frame (a state made inside the step) is one array
+        # that each of its uses may see through a tracer of its own.
+        known, value = _tracers.known_value(target)
+        self.goal_value = value if known else None
         self.values: dict[Any, tuple[_powers.Value, bool]] = {}  # a frame's variable -> value, bwd
         self.programs: dict[
             tuple[int, tuple[_powers.Value, ...], bool], tuple[list[_powers.Value], bool]
@@ -63,6 +67,8 @@ class Powers:
             eqn = _tracers.producer(t)
             if eqn is None:
                 values[key] = (self._leaf(t), False)
+                if self.goal_value is not None and _tracers.known_value(t)[1] is self.goal_value:
+                    values[key] = (_powers.SCALE, False)
                 stack.pop()
                 continue
             ins = _tracers.inputs(eqn)

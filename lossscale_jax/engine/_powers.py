@@ -16,7 +16,7 @@ can take, each a sum of terms ``S**k * f`` with ``f`` free of ``S``::
 Rules, per primitive (``_rules``), for ``S > 0``::
 
   S itself                          {{(1, 1)}};  a step's other inputs {{(0, 0)}}
-  a literal or small constant 0     {{}} (zero: the empty sum)
+  a literal or small constant 0     {{}} (zero: the empty sum; also nan, inf, |c| >= 65504)
   add, sub, concatenate, psum, ...  the sums of one alternative of each operand
   mul, div, dot_general, conv       the products (a divisor must be one term: S**-k)
   sqrt, rsqrt, integer_pow, square  the power scaled (one term only)
@@ -61,6 +61,8 @@ MAX_POWER = 8
 # A constant is read (to tell a zero) when it has at most this many elements; a larger one
 # may be zero or not.
 _SMALL = 4096
+# A constant this large (float16's largest finite value) stands for an overflow.
+_OVERFLOW = 65504.0
 
 
 def _cap(alts: Iterable[Alt]) -> Value:
@@ -167,7 +169,9 @@ def constant(value: Any) -> Value:
     """A constant of the step: zero, free of the scale, or (too large to read) either.
 
     A nan or inf constant counts as zero: like zero it is the same at every power of the
-    scale (it is what an unscaling by a bad scale returns, which the overflow check sees).
+    scale (it is what an unscaling by a bad scale returns, which the overflow check sees). So
+    does one of float16's largest magnitude or more (65504, -1e9): a saturated element, a
+    saturation bound, a mask standing for -inf.
     """
     size = getattr(value, "size", 1)
     if size is None or size > _SMALL:
@@ -175,7 +179,7 @@ def constant(value: Any) -> Value:
     try:
         array = np.asarray(value)
         if np.issubdtype(array.dtype, np.inexact):
-            return ZERO if np.all((array == 0) | ~np.isfinite(array)) else FREE
+            return ZERO if np.all((array == 0) | ~(np.abs(array) < _OVERFLOW)) else FREE
         return ZERO if not np.any(array) else FREE
     except Exception:  # noqa: BLE001 - a value that cannot be read: either
         return _MAYBE_ZERO

@@ -7,13 +7,15 @@ one trace (a *frame*); a tracer made by an operation keeps that operation (its `
 with the tracers it read), so the operations a value depends on can be walked back to the
 frame's inputs. Operations of a backward pass carry ``transpose`` in their name stack (what
 a profile shows as ``transpose(jvp(...))``); an operation that holds a program of its own (a
-``scan``, ``while`` or ``cond``, a nested ``jit``, ``checkpoint``) is one opaque operation of
-the frame.
+``scan``, ``while`` or ``cond``, a nested ``jit``, ``checkpoint``) holds it as a jaxpr, which
+``_interpret`` reads through.
 
 Read here, from ``jax._src``: ``core.Tracer``, ``core.trace_ctx`` (the current trace),
 ``partial_eval.DynamicJaxprTracer``/``DynamicJaxprTrace`` (a ``jit`` trace, its tracers'
-``parent`` equation and that equation's ``in_tracers``), ``source_info_util.Transform``.
-Every JAX the package admits (0.10.2 to 0.12, pyproject.toml) has them;
+``parent`` equation, a ``TracingEqn`` with its ``in_tracers`` and ``outvars``, and the
+frame's ``constvar_to_val``: the arrays a traced function closed over), ``core.Literal``,
+``source_info_util.Transform`` and ``user_context`` (to replay an equation under its name
+stack). Every JAX the package admits (0.10.2 to 0.12, pyproject.toml) has them;
 tests/test_wiring.py fails if one goes missing. Where they are missing (a JAX outside that
 range) :data:`AVAILABLE` is false and the wiring check sees nothing: it never changes a
 step's program or its values, it only refuses wirings at trace time.
@@ -37,9 +39,12 @@ try:  # JAX's internals: present in every JAX the package admits (see the docstr
     from lossscale_jax.engine._jaxprs import ClosedJaxpr as _ClosedJaxpr
 
     _PROGRAMS: tuple[type, ...] = (_core.Jaxpr, _ClosedJaxpr)
-    AVAILABLE = all(
-        name in getattr(_JitTracer, "__slots__", ()) for name in ("val", "parent")
-    ) and hasattr(_trace_ctx, "trace")
+    _EQN_FIELDS = ("in_tracers", "outvars", "primitive", "params", "source_info")
+    AVAILABLE = (
+        all(name in getattr(_JitTracer, "__slots__", ()) for name in ("val", "parent"))
+        and all(name in getattr(_pe.TracingEqn, "__slots__", ()) for name in _EQN_FIELDS)
+        and hasattr(_trace_ctx, "trace")
+    )
 except (ImportError, AttributeError):  # pragma: no cover - a JAX outside the admitted range
     AVAILABLE = False
 
@@ -110,6 +115,14 @@ def rematted(eqn: Any) -> bool:
     name stack has the scope ``rematted_computation``): not the backward pass around it."""
     stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
     return any(getattr(s, "name", None) == "rematted_computation" for s in stack)
+
+
+def replaying(eqn: Any) -> Any:
+    """A context to bind an equation's primitive again (an interpreter of a jaxpr) with the
+    equation's name stack, as ``jax.core.eval_jaxpr`` does: the backward pass stays marked
+    ``transpose`` where the check reads it."""
+    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    return _source_info.user_context(eqn.source_info.traceback, name_stack=stack)
 
 
 def variable(tracer: Any) -> Any | None:

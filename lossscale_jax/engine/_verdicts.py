@@ -79,6 +79,7 @@ class Leaf:
     kinds: tuple[tuple[str, Fraction], ...]
     backward: bool
     powers: tuple[Fraction, ...] = ()  # every power a term of the leaf carries
+    zero: bool = False  # zero in every form: right, and no sign of any scale
 
 
 def leaf(path: str, value: _powers.Value, backward: bool) -> Leaf:
@@ -86,7 +87,9 @@ def leaf(path: str, value: _powers.Value, backward: bool) -> Leaf:
         return Leaf(path, "warn", ((UNKNOWN, Fraction(0)),), backward)
     # A zero alternative is every power at once (a where that zeroes a leaf, an unscaling
     # by a bad scale's nan): it neither proves nor disproves the others.
-    kinds = tuple(sorted({kind(alt) for alt in value if alt}, key=str)) or ((RIGHT, Fraction(1)),)
+    if not any(value):
+        return Leaf(path, RIGHT, ((RIGHT, Fraction(1)),), backward, (), zero=True)
+    kinds = tuple(sorted({kind(alt) for alt in value if alt}, key=str))
     names = {n for n, _ in kinds}
     powers = tuple(sorted({k for alt in value for k, _ in alt}))
     if names == {RIGHT}:

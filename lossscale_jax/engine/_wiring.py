@@ -204,8 +204,8 @@ def check_update(grads: Any, scale: Any, where: str, policy: Any, switched_on: b
     if not switched_on or not enabled() or policy.constant_scale == 1.0:
         return
     target = _tracers.jit_tracer(scale)
-    if target is None or target is not scale:
-        return  # a concrete state (eager, or a constant of the step), or under vmap
+    if target is None or target is not scale or _tracers.variable(target) is None:
+        return  # a concrete state (eager, or a literal of the step), or under vmap
     frame = _tracers.frame_of(target)
     notes = _FRAMES.setdefault(frame, _Notes())
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
@@ -223,7 +223,8 @@ def check_update(grads: Any, scale: Any, where: str, policy: Any, switched_on: b
         notes.updates.append((weakref.ref(target), [weakref.ref(target)]))
         return
     wrong = [x for x in leaves if x.verdict in WRONG]
-    if wrong and all(x.verdict == FREE for x in wrong) and len(wrong) == len(leaves):
+    carrying = [x for x in leaves if not x.zero]  # a zero leaf says nothing of any scale
+    if wrong and all(x.verdict == FREE for x in carrying):
         tracers = [g for (p, g), x in zip(pairs, leaves, strict=False) if x.verdict == FREE]
         _refuse_unscaled(tracers, target, notes, where, policy)
         return
