@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -141,15 +141,16 @@ def enable(
 
 def _loss_in_float32(trainer: Any) -> Change:
     config = trainer.arguments.loss_config
-    if config is None or not dataclasses.is_dataclass(config):
+    if isinstance(config, type) or not dataclasses.is_dataclass(config):
         raise IntegrationError(
             "enable(): this trainer's arguments.loss_config is not EasyDeL's LossConfig "
             f"(got {type(config).__name__}); the loss cannot be put in float32. Build the "
             "trainer with a LossConfig, or pass compute_dtype=None."
         )
+    fp32 = dataclasses.replace(cast(Any, config), compute_dtype="fp32")  # made now: checked
 
     def change() -> None:
-        trainer.arguments.loss_config = dataclasses.replace(config, compute_dtype="fp32")
+        trainer.arguments.loss_config = fp32
 
     return change
 

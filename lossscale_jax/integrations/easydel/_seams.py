@@ -103,8 +103,7 @@ def check(version: str | None = None) -> str:
 
 def is_step(fn: Any) -> bool:
     """Whether ``fn`` is a training step EasyDeL's way (see the module's docstring)."""
-    code = getattr(fn, "__code__", None)
-    return isinstance(fn, types.FunctionType) and STEP_NAMES <= set(code.co_names or ())
+    return isinstance(fn, types.FunctionType) and STEP_NAMES <= set(fn.__code__.co_names)
 
 
 def instance_missing(trainer: Any) -> list[str]:
