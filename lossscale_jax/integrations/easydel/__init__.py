@@ -216,6 +216,9 @@ def _step_change(trainer: Any) -> Change:
 
     def change() -> None:
         scaled = {n: _step.scaled_step(f, training_utils.update_metrics) for n, f in steps.items()}
+        # The generation functions too: EasyDeL keeps those it built (for the state's old
+        # graph, the model's compute dtype and the optimizer's state) unless they are unset.
+        trainer.generate_function = trainer.generate_function_with_model_kwargs = None
         with _rebound(module, scaled):
             trainer._configure_functions()
         _say_first_skip(trainer)

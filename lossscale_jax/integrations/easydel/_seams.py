@@ -52,7 +52,14 @@ FIELDS = {
         "grad_norms",
     ),
 }
-INSTANCE = ("model_state", "arguments", "state_shardings", "tx")
+INSTANCE = (
+    "model_state",
+    "arguments",
+    "state_shardings",
+    "tx",
+    "generate_function",
+    "generate_function_with_model_kwargs",
+)
 
 
 def missing() -> list[str]:
