@@ -44,6 +44,7 @@ if not HAVE_EASYDEL:
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # EasyDeL's and its dependencies' imports
     EX = load_script("examples/train_easydel_sft.py")
+    from flax import nnx
 
     from lossscale_jax.integrations import easydel as lsj_easydel
     from lossscale_jax.integrations._host import _dtype
@@ -152,6 +153,26 @@ def test_tiny_gradients_are_kept_by_the_scale_where_unscaled_float16_loses_them(
     }
     assert errors["scaled"] < 0.02
     assert errors["unscaled"] > 0.5
+
+
+def test_float16_parameters_get_float32_masters(tmp_path):
+    # A model built with float16 parameters: the optimizer keeps float32 masters
+    # (lsj.master_weights inside the loss scaling), and each float16 parameter is its
+    # master rounded, bit for bit.
+    config = EX.tiny_llama().config
+    model = EX.ed.LlamaForCausalLM(
+        config=config, dtype=jnp.float16, param_dtype=jnp.float16, rngs=nnx.Rngs(0)
+    )
+    t = lsj_easydel.enable(EX.sft_trainer(model, 2, str(tmp_path)))
+    logged, state = EX.train(t)
+    assert [m["train/loss_scale/skipped"] for m in logged] == [0.0, 0.0]
+    assert all(np.isfinite(m["train/train/max_grad_norm"]) for m in logged)
+    params16 = jax.tree_util.tree_leaves(state.graphstate)
+    masters = jax.tree_util.tree_leaves(state.opt_state.inner_state.master)
+    assert {p.dtype for p in params16} == {np.dtype(np.float16)}
+    assert {m.dtype for m in masters} == {np.dtype(np.float32)}
+    for p, m in zip(params16, masters, strict=True):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m).astype(np.float16))
 
 
 def grpo_trainer(tmp_path, steps=2):
