@@ -22,7 +22,7 @@ STAMP := $(VENV)/.installed-stamp
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: demo test test-select test-fast test-floor test-tunix test-gpu lint typecheck clean docs docs-outputs doctest dist
+.PHONY: demo test test-select test-fast test-floor test-tunix test-easydel test-gpu lint typecheck clean docs docs-outputs doctest dist
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@for name in $(or $(PYTHON),$(PYTHONS)); do \
@@ -87,6 +87,37 @@ $(TUNIX_VENV)/.maxtext-stamp: $(TUNIX_VENV)/.installed-stamp
 	$(TUNIX_VENV)/bin/uv pip install -q --python $(TUNIX_VENV)/bin/python --no-deps \
 		$$($(TUNIX_VENV)/bin/python -c "import tomllib; print(' '.join(tomllib.load(open( \
 		'pyproject.toml', 'rb'))['project']['optional-dependencies']['maxtext']))")
+	touch $@
+
+# The EasyDeL integration (lossscale_jax[easydel]) in a venv of its own, on Python 3.12 and this
+# package's floor (.ci/easydel-constraints.txt): pip cannot resolve easydel 0.3.0's own pins
+# against this package's (pyproject.toml's easydel extra says why), so easydel, eformer and
+# ejkernel go in with --no-deps and the rest of the extra (what EasyDeL's trainers import on a
+# CPU) with theirs. EASYDEL_AUTO=0: EasyDeL's import otherwise adds GPU flags to XLA_FLAGS that
+# jaxlib 0.10.2 on a CPU refuses. Its tests (tests/test_integration_easydel.py, the example's
+# included) and docs/easydel.md's code on the suite's 8 CPU devices, then GRPO's on one (stock
+# EasyDeL's GRPO fails on a multi-device CPU mesh); make test skips them without EasyDeL.
+EASYDEL_VENV ?= .venv-easydel
+EASYDEL_PYTHON ?= python3.12
+EASYDEL_NO_DEPS := easydel eformer ejkernel
+test-easydel:
+	$(MAKE) $(EASYDEL_VENV)/.installed-stamp VENV=$(EASYDEL_VENV) PYTHON=$(EASYDEL_PYTHON) \
+		EXTRAS=test CONSTRAINTS=.ci/easydel-constraints.txt
+	$(MAKE) $(EASYDEL_VENV)/.easydel-stamp
+	EASYDEL_AUTO=0 $(EASYDEL_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load \
+		tests/test_integration_easydel.py "tests/test_docs.py::test_code_blocks_run[easydel.md]"
+	EASYDEL_AUTO=0 LSJ_TEST_CPU_DEVICES=1 $(EASYDEL_VENV)/bin/python -m pytest -q \
+		tests/test_integration_easydel.py -k grpo
+
+$(EASYDEL_VENV)/.easydel-stamp: $(EASYDEL_VENV)/.installed-stamp pyproject.toml
+	$(EASYDEL_VENV)/bin/python -c "import tomllib; e = tomllib.load(open('pyproject.toml', 'rb'))[ \
+		'project']['optional-dependencies']['easydel']; n = '$(EASYDEL_NO_DEPS)'.split(); \
+		open('$(EASYDEL_VENV)/no-deps.txt', 'w').write('\n'.join(r for r in e if r.split('=')[0] in n)); \
+		open('$(EASYDEL_VENV)/deps.txt', 'w').write('\n'.join(r for r in e if r.split('=')[0] not in n))"
+	$(EASYDEL_VENV)/bin/uv pip install -q --python $(EASYDEL_VENV)/bin/python --no-deps \
+		-r $(EASYDEL_VENV)/no-deps.txt
+	$(EASYDEL_VENV)/bin/uv pip install -q --python $(EASYDEL_VENV)/bin/python \
+		-c .ci/easydel-constraints.txt -r $(EASYDEL_VENV)/deps.txt
 	touch $@
 
 # The whole suite on JAX's default accelerator, in the environment's own Python (no .venv:

@@ -39,6 +39,8 @@ MULTIDEVICE_PAGES = ("data_parallel.md",)
 # it is not installed (make test-tunix runs them in its venv).
 TUNIX_PAGES = ("rl.md",)
 HAVE_TUNIX = importlib.util.find_spec("tunix") is not None
+EASYDEL_PAGES = ("easydel.md",)  # make test-easydel runs them in its venv
+HAVE_EASYDEL = importlib.util.find_spec("easydel") is not None
 
 
 def _marks(page: pathlib.Path) -> list:
@@ -46,6 +48,9 @@ def _marks(page: pathlib.Path) -> list:
     if page.name in TUNIX_PAGES:
         reason = "needs google-tunix (an optional integration: make test-tunix runs it)"
         marks.append(pytest.mark.skipif(not HAVE_TUNIX, reason=reason))
+    if page.name in EASYDEL_PAGES:
+        reason = "needs easydel (an optional integration: make test-easydel runs it)"
+        marks.append(pytest.mark.skipif(not HAVE_EASYDEL, reason=reason))
     return marks
 
 

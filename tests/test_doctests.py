@@ -25,8 +25,13 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
 # The modules of an optional integration import its framework: left out where it is not
-# installed (make test-tunix's venv has it). Module prefix -> the framework's package.
-OPTIONAL = {"lossscale_jax.integrations.": "tunix"}
+# installed (make test-tunix's and make test-easydel's venvs have them). Module prefix -> the
+# framework's package; integrations/_host imports no framework.
+OPTIONAL = {
+    "lossscale_jax.integrations.tunix": "tunix",
+    "lossscale_jax.integrations._tunix": "tunix",
+    "lossscale_jax.integrations.easydel": "easydel",
+}
 
 
 def _importable(name: str) -> bool:
@@ -34,11 +39,19 @@ def _importable(name: str) -> bool:
     return all(importlib.util.find_spec(pkg) is not None for pkg in needs)
 
 
+def _walk_error(name: str) -> None:
+    """An optional integration's package, walked into where its framework is not installed:
+    skipped; any other package that fails to import: the error, raised."""
+    if _importable(name):
+        raise  # pkgutil calls this inside its except block: the error re-raised
+
+
 def _modules() -> list:
     names = [lossscale_jax.__name__]
+    prefix = lossscale_jax.__name__ + "."
     names += [
         info.name
-        for info in pkgutil.walk_packages(lossscale_jax.__path__, lossscale_jax.__name__ + ".")
+        for info in pkgutil.walk_packages(lossscale_jax.__path__, prefix, onerror=_walk_error)
     ]
     return [importlib.import_module(name) for name in sorted(names) if _importable(name)]
 

@@ -7,8 +7,12 @@ framework's code: it swaps in the library's optimizer and a step built on
 framework it relies on (a release that lacks one is refused, naming it), makes every check
 before its first change, and imports the framework only there.
 
-Holds: ``tunix`` (``enable``: Tunix's SFT and RL trainers, public) and its parts,
-``_tunix_step`` (the train step and its metrics), ``_tunix_models`` (float16 compute for
+Holds a folder per host beside the modules of the first: ``easydel`` (``enable``: EasyDeL's
+trainers, public; its ``_seams`` and ``_step``), and ``_host``, what every host needs written
+once (check-then-apply, the NNX compute-dtype switch with norms in float32, the loss wrapped
+in ``lsj.value_and_grad``, the loss scale's metrics for a host's logger, the rollout/trainer
+mismatch metrics). Then ``tunix`` (``enable``: Tunix's SFT and RL trainers, public) and its
+parts, ``_tunix_step`` (the train step and its metrics), ``_tunix_models`` (float16 compute for
 Tunix's models: their attention mask constant, their compute dtype), ``_tunix_checkpoint``
 (checkpoints of the loss-scaled optimizer), ``_tunix_mismatch`` (the rollout/trainer
 log-prob mismatch, logged each step), ``_tunix_lora`` (qwix's LoRA in the compute dtype),
