@@ -114,11 +114,11 @@ class Powers:
         elif programs:
             outs, inner_bwd = self._call(name, eqn.params, programs, ins, n_out, transposed)
         elif all(v is _powers.FREE for v in ins):
-            outs = [_powers.FREE] * n_out
+            return [_powers.FREE] * n_out, transposed  # most of a step: nothing to carry
         else:
             outs = _powers.apply(name, eqn.params, ins, n_out)
         outs = [
-            v if _powers.inexact(var.aval) else _powers.FREE
+            v if v is _powers.FREE or _powers.inexact(var.aval) else _powers.FREE
             for v, var in zip(outs, eqn.outvars, strict=False)
         ]
         if transposed:

@@ -45,15 +45,16 @@ from typing import Any
 
 import numpy as np
 
-Term = tuple[Fraction, int]
+Power = int | Fraction  # an int where the power is whole (most): cheap to compare
+Term = tuple[Power, int]
 Alt = frozenset[Term]
 Value = frozenset[Alt] | None
 
 _ZERO_ALT: Alt = frozenset()
-FREE: Value = frozenset({frozenset({(Fraction(0), 0)})})
+FREE: Value = frozenset({frozenset({(0, 0)})})
 ZERO: Value = frozenset({_ZERO_ALT})
-SCALE: Value = frozenset({frozenset({(Fraction(1), 1)})})
-_MAYBE_ZERO: Value = frozenset({frozenset({(Fraction(0), 0)}), _ZERO_ALT})
+SCALE: Value = frozenset({frozenset({(1, 1)})})
+_MAYBE_ZERO: Value = frozenset({frozenset({(0, 0)}), _ZERO_ALT})
 # A value with more alternatives than this, or a power past this, is unknown (a loop that
 # multiplies by the scale at every turn does not reach a fixed point otherwise).
 _MAX_ALTS = 12
@@ -66,8 +67,14 @@ _OVERFLOW = 65504.0
 
 
 def _cap(alts: Iterable[Alt]) -> Value:
+    """A value from its alternatives (``FREE`` and ``ZERO`` as themselves: the analysis
+    tells them by identity), or unknown past the bounds."""
     out = frozenset(alts)
-    if len(out) > _MAX_ALTS or any(abs(k) > MAX_POWER for alt in out for k, _ in alt):
+    if out == FREE:
+        return FREE
+    if out == ZERO:
+        return ZERO
+    if len(out) > _MAX_ALTS or any(not -MAX_POWER <= k <= MAX_POWER for alt in out for k, _ in alt):
         return None
     return out
 
@@ -108,7 +115,7 @@ def _monomial(alt: Alt) -> Term | None:
     return next(iter(powers)), max(m for _, m in alt)
 
 
-def power(v: Value, exponent: Fraction) -> Value:
+def power(v: Value, exponent: Power) -> Value:
     """``v ** exponent`` where every alternative carries one power (or is zero)."""
     if v is None:
         return None
@@ -120,7 +127,8 @@ def power(v: Value, exponent: Fraction) -> Value:
         term = _monomial(alt)
         if term is None:
             return None
-        out.add(frozenset({(term[0] * exponent, term[1])}))
+        k = term[0] * exponent
+        out.add(frozenset({(int(k) if k == int(k) else k, term[1])}))
     return _cap(out)
 
 
@@ -147,10 +155,10 @@ def free_of_power(v: Value) -> Value:
         return None
     out = set()
     for alt in v:
-        term = _monomial(alt) if alt else (Fraction(0), 0)
+        term = _monomial(alt) if alt else (0, 0)
         if term is None:
             return None
-        out.add(frozenset({(Fraction(0), term[1])}) if alt else alt)
+        out.add(frozenset({(0, term[1])}) if alt else alt)
     return _cap(out)
 
 
@@ -162,7 +170,7 @@ def _of_power_zero(ins: Sequence[Value]) -> Value:
         if v is None or any(k != 0 for alt in v for k, _ in alt):
             return None
         marks |= {m for alt in v for _, m in alt}
-    return frozenset({frozenset({(Fraction(0), max(marks, default=0))})})
+    return frozenset({frozenset({(0, max(marks, default=0))})})
 
 
 def constant(value: Any) -> Value:
@@ -173,6 +181,8 @@ def constant(value: Any) -> Value:
     does one of float16's largest magnitude or more (65504, -1e9): a saturated element, a
     saturation bound, a mask standing for -inf.
     """
+    if isinstance(value, float | int):  # a Python scalar literal
+        return ZERO if not abs(value) < _OVERFLOW or value == 0 else FREE
     size = getattr(value, "size", 1)
     if size is None or size > _SMALL:
         return _MAYBE_ZERO
@@ -210,11 +220,11 @@ _CHOOSING = frozenset(
 _BILINEAR = frozenset(
     {"mul", "dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
 )
-_POWERS: dict[str, Fraction] = {
+_POWERS: dict[str, Power] = {
     "sqrt": Fraction(1, 2),
     "rsqrt": Fraction(-1, 2),
     "cbrt": Fraction(1, 3),
-    "square": Fraction(2),
+    "square": 2,
 }
 # Each output is its operand (moved, copied, or summed over devices).
 _PER_OPERAND = frozenset(
@@ -264,7 +274,7 @@ def apply(name: str, params: dict[str, Any], ins: list[Value], n_out: int) -> li
     elif name in _BILINEAR and len(ins) == 2:
         out = mul(*ins)
     elif name == "div" and len(ins) == 2:
-        out = mul(ins[0], power(ins[1], Fraction(-1)))
+        out = mul(ins[0], power(ins[1], -1))
     elif name in _REDUCING:
         out = add(ins)
     elif name in _POWERS:
@@ -279,9 +289,9 @@ def apply(name: str, params: dict[str, Any], ins: list[Value], n_out: int) -> li
             base = ins[0]
             for _ in range(-y - 1):
                 base = mul(base, ins[0])
-            out = power(base, Fraction(-1))
+            out = power(base, -1)
     elif name == "abs":
-        out = power(ins[0], Fraction(1))
+        out = power(ins[0], 1)
     elif name == "sign":
         out = free_of_power(ins[0])
     elif all(free(v) for v in ins):
