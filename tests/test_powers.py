@@ -3,8 +3,9 @@ carries, against what algebra says by hand.
 
 Each case traces ``f(S, x)`` under ``jax.jit`` and asks the analysis (``engine/_interpret``)
 what ``f``'s result carries: a set of forms (a select or a branch picks one), each a sum of
-terms ``(power, mark)`` with mark 1 where ``S`` reached the term outside a backward pass and 2
-through one. ``{}`` (an empty sum) is zero; ``None``, unknown.
+terms ``(power, mark)`` with mark 1 where ``S`` reached the term outside a backward pass, 2
+through one, and 3 for an input of the step (``x``) moved or summed, whose power the check
+does not know. ``{}`` (an empty sum) is zero; ``None``, unknown.
 """
 
 from __future__ import annotations
@@ -48,14 +49,19 @@ CASES = {
     "norm": (lambda s, x: jnp.sqrt(jnp.sum((s * x) ** 2)), _one((1.0, 1))),
     # rsqrt(S^2 x): -1
     "rsqrt": (lambda s, x: jax.lax.rsqrt(s * s * x), _one((-1.0, 1))),
-    # S x + x: a sum of the powers 1 and 0
-    "mixed": (lambda s, x: s * x + x, _one((1.0, 1), (0.0, 0))),
+    # S x + 2 x: a sum of the powers 1 and 0
+    "mixed": (lambda s, x: s * x + 2 * x, _one((1.0, 1), (0.0, 0))),
+    # S x + x: x is an input of the step, added as it came: its power is not known
+    "input": (lambda s, x: s * x + x, _one((1.0, 1), (0.0, 3))),
     # S x - S x / 2 * 2: one power, the terms merge
     "same power": (lambda s, x: s * x - s * x / 2 * 2, _one((1.0, 1))),
     # where(x > 0, S x, 0): S x or zero
     "where": (lambda s, x: jnp.where(x > 1, s * x, 0.0), {frozenset({(1.0, 1)}), frozenset()}),
     # max(S x, x): one or the other
-    "max": (lambda s, x: jnp.maximum(s * x, x), {frozenset({(1.0, 1)}), frozenset({(0.0, 0)})}),
+    "max": (
+        lambda s, x: jnp.maximum(s * x, 2 * x),
+        {frozenset({(1.0, 1)}), frozenset({(0.0, 0)})},
+    ),
     # exp(S): no power of S
     "exp": (lambda s, x: jnp.exp(s) * x, None),
     # exp(S / S * x): S cancelled first, so exp sees no scale (the mark stays)
@@ -80,6 +86,8 @@ CASES = {
     ),
     # a nested jit and a checkpoint are read through
     "jit and remat": (lambda s, x: jax.checkpoint(jax.jit(lambda a: a * a))(s) * x, _one((2.0, 1))),
+    # bfloat16 is floating: it carries the scale as float32 does
+    "bfloat16": (lambda s, x: (s * x).astype(jnp.bfloat16).astype(jnp.float32), _one((1.0, 1))),
     # an integer computed from S is taken as free of it (a documented blind spot)
     "integer": (lambda s, x: x * (s.astype(jnp.int32) + 1), _one((0.0, 0))),
 }

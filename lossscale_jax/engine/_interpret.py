@@ -98,7 +98,7 @@ class Powers:
         known, value = _tracers.known_value(tracer)
         if not _powers.inexact(getattr(tracer, "aval", None)):
             return _powers.FREE
-        return _powers.constant(value) if known else _powers.FREE
+        return _powers.constant(value) if known else _powers.INPUT
 
     # -- one operation, and the programs it holds ----------------------------------------
 
@@ -113,8 +113,10 @@ class Powers:
             outs, inner_bwd = self._cond(eqn, programs, ins, keys, transposed)
         elif programs:
             outs, inner_bwd = self._call(name, eqn.params, programs, ins, n_out, transposed)
-        elif all(v is _powers.FREE for v in ins):
-            return [_powers.FREE] * n_out, transposed  # most of a step: nothing to carry
+        elif all(v is _powers.FREE or v is _powers.INPUT for v in ins):
+            # most of a step: nothing to carry but, moved or summed, an input of the step
+            moved = _powers.moves(name) and any(v is _powers.INPUT for v in ins)
+            return [_powers.INPUT if moved else _powers.FREE] * n_out, transposed
         else:
             outs = _powers.apply(name, eqn.params, ins, n_out)
         outs = [

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
+import jax
 import numpy as np
 
 Power = int | Fraction  # an int where the power is whole (most): cheap to compare
@@ -54,6 +55,11 @@ _ZERO_ALT: Alt = frozenset()
 FREE: Value = frozenset({frozenset({(0, 0)})})
 ZERO: Value = frozenset({_ZERO_ALT})
 SCALE: Value = frozenset({frozenset({(1, 1)})})
+# Mark 3: an input of the step (an argument), summed or moved but not computed with. Its
+# power is not known (an accumulator carried between steps holds scaled gradients): in a sum
+# it is left out of the verdict; multiplied, or through any function, it counts as free.
+IN = 3
+INPUT: Value = frozenset({frozenset({(0, IN)})})
 _MAYBE_ZERO: Value = frozenset({frozenset({(0, 0)}), _ZERO_ALT})
 # A value with more alternatives than this, or a power past this, is unknown (a loop that
 # multiplies by the scale at every turn does not reach a fixed point otherwise).
@@ -74,14 +80,24 @@ def _cap(alts: Iterable[Alt]) -> Value:
         return FREE
     if out == ZERO:
         return ZERO
+    if out == INPUT:
+        return INPUT
     if len(out) > _MAX_ALTS or any(not -MAX_POWER <= k <= MAX_POWER for alt in out for k, _ in alt):
         return None
     return out
 
 
 def free(v: Value) -> bool:
-    """Whether a value is free of the scale (zero or not: the scale never reached it)."""
-    return v is FREE or (v is not None and all(k == 0 and not m for alt in v for k, m in alt))
+    """Whether a value is free of the scale (zero or not, an input or not: the scale never
+    reached it)."""
+    return v is FREE or (
+        v is not None and all(k == 0 and m in (0, IN) for alt in v for k, m in alt)
+    )
+
+
+def _computed(m: int) -> int:
+    """A term's mark once computed with (an input's is no longer the input's)."""
+    return 0 if m == IN else m
 
 
 def add(values: Sequence[Value]) -> Value:
@@ -103,7 +119,11 @@ def mul(a: Value, b: Value) -> Value:
     out = set()
     for x in a:
         for y in b:
-            out.add(frozenset((kx + ky, max(mx, my)) for kx, mx in x for ky, my in y))
+            out.add(
+                frozenset(
+                    (kx + ky, max(_computed(mx), _computed(my))) for kx, mx in x for ky, my in y
+                )
+            )
     return _cap(out)
 
 
@@ -112,7 +132,7 @@ def _monomial(alt: Alt) -> Term | None:
     powers = {k for k, _ in alt}
     if len(powers) != 1:
         return None
-    return next(iter(powers)), max(m for _, m in alt)
+    return next(iter(powers)), max(_computed(m) for _, m in alt)
 
 
 def power(v: Value, exponent: Power) -> Value:
@@ -146,7 +166,7 @@ def backward(v: Value) -> Value:
     """A value an operation of a backward pass made: the scale it carries is in a cotangent."""
     if v is None or v is FREE or v is ZERO:
         return v
-    return _cap(frozenset((k, 2 if (k != 0 or m) else 0) for k, m in alt) for alt in v)
+    return _cap(frozenset((k, 2 if (k != 0 or m in (1, 2)) else m) for k, m in alt) for alt in v)
 
 
 def free_of_power(v: Value) -> Value:
@@ -169,7 +189,7 @@ def _of_power_zero(ins: Sequence[Value]) -> Value:
     for v in ins:
         if v is None or any(k != 0 for alt in v for k, _ in alt):
             return None
-        marks |= {m for alt in v for _, m in alt}
+        marks |= {_computed(m) for alt in v for _, m in alt}
     return frozenset({frozenset({(0, max(marks, default=0))})})
 
 
@@ -235,17 +255,34 @@ _PER_OPERAND = frozenset(
 )  # fmt: skip
 
 
+_MOVING = frozenset(_LINEAR | _INDEXED | _REDUCING | _CHOOSING | _PER_OPERAND)
 _RULED = frozenset(
     _LINEAR | _INDEXED | _REDUCING | _CHOOSING | _BILINEAR | set(_POWERS) | _PER_OPERAND
 )
 
 
+_INEXACT: dict[Any, bool] = {}
+
+
 def inexact(aval: Any) -> bool:
+    """Whether a value is floating or complex: bfloat16 and the float8s included (JAX's
+    dtypes, which NumPy's ``issubdtype`` does not place under ``inexact``)."""
     dtype = getattr(aval, "dtype", None)
-    try:
-        return dtype is not None and np.issubdtype(dtype, np.inexact)
-    except TypeError:  # an extended dtype (a PRNG key)
+    if dtype is None:
         return False
+    found = _INEXACT.get(dtype)
+    if found is None:
+        try:
+            found = bool(jax.dtypes.issubdtype(dtype, np.inexact))
+        except TypeError:  # an extended dtype (a PRNG key)
+            found = False
+        _INEXACT[dtype] = found
+    return found
+
+
+def moves(name: str) -> bool:
+    """Whether a primitive moves, sums or picks its operands (an input stays an input)."""
+    return name in _MOVING
 
 
 def has_rule(name: str) -> bool:

@@ -50,8 +50,8 @@ def off(where: str) -> str:
 
 # -- what one leaf carries -------------------------------------------------------------------
 
-RIGHT, AFTER, FREE, CANCELLED, LARGE, SMALL, MIXED, UNKNOWN = (
-    "right", "after", "free", "cancelled", "large", "small", "mixed", "unknown",
+RIGHT, AFTER, FREE, CANCELLED, LARGE, SMALL, MIXED, UNKNOWN, OUTSIDE = (
+    "right", "after", "free", "cancelled", "large", "small", "mixed", "unknown", "outside",
 )  # fmt: skip
 WRONG = frozenset({FREE, CANCELLED, LARGE, SMALL, MIXED})
 
@@ -86,12 +86,15 @@ def leaf(path: str, value: _powers.Value, backward: bool) -> Leaf:
     if value is None:
         return Leaf(path, "warn", ((UNKNOWN, Fraction(0)),), backward)
     # A zero alternative is every power at once (a where that zeroes a leaf, an unscaling
-    # by a bad scale's nan): it neither proves nor disproves the others.
-    if not any(value):
-        return Leaf(path, RIGHT, ((RIGHT, Fraction(1)),), backward, (), zero=True)
-    kinds = tuple(sorted({kind(alt) for alt in value if alt}, key=str))
+    # by a bad scale's nan): it neither proves nor disproves the others. So is a term that
+    # is an input of the step (an accumulator carried in): its power is not known.
+    alts = [frozenset(t for t in alt if t[1] != _powers.IN) for alt in value if alt]
+    if not any(alts):
+        zero = not alts  # else every form is an input of the step, moved: not seen
+        return Leaf(path, RIGHT if zero else OUTSIDE, ((RIGHT, Fraction(1)),), backward, (), zero)
+    kinds = tuple(sorted({kind(alt) for alt in alts if alt}, key=str))
     names = {n for n, _ in kinds}
-    powers = tuple(sorted({k for alt in value for k, _ in alt}))
+    powers = tuple(sorted({k for alt in alts for k, _ in alt}))
     if names == {RIGHT}:
         return Leaf(path, RIGHT, kinds, backward, powers)
     wrong = [n for n, _ in kinds if n in WRONG]

@@ -59,6 +59,7 @@ from lossscale_jax.engine._verdicts import (
     FREE,
     LARGE,
     MIXED,
+    OUTSIDE,
     RIGHT,
     SMALL,
     WRONG,
@@ -218,7 +219,9 @@ def check_update(grads: Any, scale: Any, where: str, policy: Any, switched_on: b
     leaves = [leaf(p, powers.value(g), powers.backward(g)) for p, g in pairs]
     # Leaves never reached by the scale and made by no backward pass of this frame came
     # from outside the step: not seen.
+    # (or came in as they are: an input of the step, moved or summed).
     leaves = [x for x in leaves if not (x.verdict == FREE and not x.backward)]
+    leaves = [x for x in leaves if x.verdict != OUTSIDE]
     if all(x.verdict == RIGHT for x in leaves):
         notes.updates.append((weakref.ref(target), [weakref.ref(target)]))
         return
