@@ -347,6 +347,7 @@ class Engine:
         ``shard_map`` the branches' outputs are matched in what they vary over.
         ``good_shapes``: ``jax.eval_shape(good, *operands)``, when the caller has it already.
         """
+        good = _skip.traced_once(good)  # its shapes, effects and branches: one trace
         # A skipped step in a good one's dtypes.
         skip = _skip.as_good(good, skip, operands, good_shapes)
         return _skip.choose(apply, good, skip, *operands)
@@ -387,6 +388,7 @@ def inner_or_skip(
     when the caller has them already.
     """
 
+    @_skip.traced_once  # traced once here, for its shapes and in both formulations' branches
     def good(operands: Any) -> Any:
         return inner_update(*operands)
 
