@@ -185,15 +185,18 @@ def traced_once(fun: Callable[..., Any]) -> Callable[..., Any]:
     use inlines it: the jaxpr of every use, and so the program, is the one tracing ``fun`` there
     gives. Idempotent: a function it returned comes back as it is.
     """
-    if getattr(fun, "_traced_once", False):
+    if getattr(fun, _ONCE, False):
         return fun
     jitted = jax.jit(fun, inline=True)
 
     def once(*operands: Any) -> Any:
         return jitted(*operands)
 
-    once._traced_once = True  # type: ignore[attr-defined]
+    setattr(once, _ONCE, True)
     return once
+
+
+_ONCE = "_lossscale_jax_traced_once"  # the mark of a function traced_once returned
 
 
 def choose(
