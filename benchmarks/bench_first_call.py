@@ -238,12 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     print(f"jax {jax.__version__}, Python {sys.version.split()[0]}, load average {load:.1f}")
     rows = measure(args.models, args.variants, args.rounds)
+    after = os.getloadavg()[0]
+    print(f"load average before / after: {load:.1f} / {after:.1f}")
     print("wall-clock time:")
     print(table(rows))
     print("CPU time of the process:")
     print(table(rows, "_cpu"))
     if args.json:
-        meta = {"jax": jax.__version__, "python": sys.version.split()[0], "load": load}
+        meta = {"jax": jax.__version__, "python": sys.version.split()[0], "load": [load, after]}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
