@@ -1066,3 +1066,33 @@ def test_underflow_of_the_logits_gradient_against_numpy(monkeypatch):
     assert abs(got["zero_plain"] - zero) <= 1e-5 * got["size"], (got, zero)  # rounding ties
     with pytest.raises(ValueError, match="language model's full step"):
         underflow.logits_lost(workloads.build_case("tiny/in_out/fp16grad/full"))
+
+
+@pytest.mark.slow
+def test_first_call_benchmark_reports_each_stage_against_plain(tmp_path):
+    """`benchmarks/bench_first_call.py` at its smoke size, the command run as a process: a row
+    per step, plain's ratios exactly 1, and each first call the sum of its stages (one round:
+    the medians are the round's own figures). Nothing here is timed against a bar."""
+    out = tmp_path / "first_call.json"
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_first_call.py")]
+    subprocess.run(
+        [*command, "--models", "tiny", "--rounds", "1", "--json", str(out)],
+        check=True,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        ("tiny", "plain"),
+        ("tiny", "optax"),
+        ("tiny", "fused"),
+    ]
+    stages = ("trace", "lower", "compile", "run")
+    for row in rows:
+        for clock in ("", "_cpu"):
+            assert all(row[f"{s}{clock}_s"] > 0 for s in stages)
+            total = sum(row[f"{s}{clock}_s"] for s in stages)
+            assert row[f"first_call{clock}_s"] == pytest.approx(total)
+            if row["variant"] == "plain":
+                assert all(row[f"{s}{clock}_x"] == 1.0 for s in (*stages, "first_call"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.experimental import checkify
@@ -279,3 +280,36 @@ def test_on_stuck_fires_at_a_per_layer_windows_end_only(formulation):
         assert err.get() is None
         err, state = step(state, False)  # the window's end: overflow with every scale at 1
         assert "stuck" in err.get()
+
+
+@pytest.mark.parametrize("front", ["optax", "fused"])
+def test_the_inner_update_is_traced_once_per_step(front):
+    """A step traced with no override holds both formulations, and the good branch is used for
+    its shapes and effects too: the inner transformation's ``update`` still runs once in Python
+    (counted by a wrapper around it), as in a plain step, and the step computes what a step
+    traced under each formulation alone computes."""
+    calls = []
+    adam = optax.adam(1e-3)
+
+    def update(g, s, p=None):
+        calls.append(1)
+        return adam.update(g, s, p)
+
+    tx = lsj.loss_scaling(optax.GradientTransformation(adam.init, update), lsj.DynamicScale())
+    state = tx.init(PARAMS)
+
+    def step(g, s, p):
+        if front == "fused":
+            return lsj.apply_gradients(tx, g, s, p)
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    jitted = jax.jit(step)
+    jitted.trace(GOOD, state, PARAMS)
+    assert len(calls) == 1
+    for grads in (GOOD, BAD):
+        both = jitted(grads, state, PARAMS)
+        for name in FORMULATIONS:
+            with _skip.formulation(name):
+                alone = jax.jit(step)(grads, state, PARAMS)
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), both, alone)

@@ -36,9 +36,10 @@ LeafCheck = Callable[[list[jax.Array], str, float], list[jax.Array]]
 
 
 def _flags_only(check: LeafCheck) -> Callable:
-    """``check`` in ``_check.leaf_flags``'s signature; it measures no range."""
+    """``check`` in ``_check.leaf_flags``'s signature; it measures no range, and reads the
+    leaves themselves (the library's elementwise ``tests``, where given, are left unused)."""
 
-    def leaf_flags(leaves, mode, threshold, with_max=False):
+    def leaf_flags(leaves, mode, threshold, with_max=False, tests=None):
         if with_max:
             raise NotImplementedError("the alternative checks measure no range (HeadroomScale)")
         return check(leaves, mode, threshold)

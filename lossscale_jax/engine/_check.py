@@ -145,7 +145,38 @@ def flag_of(peak: jax.Array, mode: str, threshold: float) -> jax.Array:
     return peak >= jnp.asarray(limit, peak.dtype)
 
 
-def leaf_flags(leaves: list[jax.Array], mode: str, threshold: float, with_max: bool = False) -> Any:
+def _groups(leaves: list[Any], with_max: bool) -> dict[tuple[Any, ...], list[int]]:
+    """The leaves' indices by what a reduction may hold together: a shape (and, with the
+    magnitudes, their dtype: XLA refuses floating operands of different precisions in one
+    reduction)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, g in enumerate(leaves):
+        key = (tuple(g.shape), at_least_float32(g.dtype)) if with_max else (tuple(g.shape),)
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def alone(leaves: list[Any]) -> set[int]:
+    """The indices of the floating leaves of ``leaves`` that ``leaf_flags`` (without the
+    maxima) reduces alone in their group, from their two predicates."""
+    floats = [i for i, g in enumerate(leaves) if is_float(g)]
+    groups = _groups([leaves[i] for i in floats], False)
+    out = set()
+    for members in groups.values():
+        for start in range(0, len(members), GROUP):
+            chunk = members[start : start + GROUP]
+            if len(chunk) == 1:
+                out.add(floats[chunk[0]])
+    return out
+
+
+def leaf_flags(
+    leaves: list[jax.Array],
+    mode: str,
+    threshold: float,
+    with_max: bool = False,
+    tests: list[Any] | None = None,
+) -> Any:
     """One scalar bool per leaf, from one read of each leaf and no leaf-sized temporary.
 
     Leaves of the same shape are checked together, ``GROUP`` at a time, in one
@@ -167,16 +198,14 @@ def leaf_flags(leaves: list[jax.Array], mode: str, threshold: float, with_max: b
     from which the flag follows (``flag_of``): still one kernel per group of
     ``GROUP`` leaves, one read per leaf (a leaf alone in its group reduces its
     flag beside its max, two outputs, as above).
+
+    ``tests``: without ``with_max``, each leaf's ``logical_or(*predicates(...))`` where the
+    caller traced it already (``None`` where not), reduced as it is (``_check_rows`` shares
+    them with the rows it lays out).
     """
     flags: list[Any] = [None] * len(leaves)
     maxes: list[Any] = [None] * len(leaves)
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, g in enumerate(leaves):
-        # XLA refuses floating operands of different precisions in one reduction:
-        # with the magnitudes (float32, or float64 for float64 leaves), a group is
-        # also one magnitude dtype.
-        key = (tuple(g.shape), at_least_float32(g.dtype)) if with_max else (tuple(g.shape),)
-        groups.setdefault(key, []).append(i)
+    groups = _groups(leaves, with_max)
     false = jnp.zeros([], jnp.bool_)
     for key, members in groups.items():
         dims = tuple(range(len(key[0])))
@@ -204,8 +233,13 @@ def leaf_flags(leaves: list[jax.Array], mode: str, threshold: float, with_max: b
                 out = lax.reduce(pair, (false, false), or_, dims)
                 flags[chunk[0]] = jnp.logical_or(out[0], out[1])
                 continue
-            tests = tuple(jnp.logical_or(*predicates(leaves[i], mode, threshold)) for i in chunk)
-            out = lax.reduce(tests, (false,) * len(tests), or_, dims)
+            chunk_tests = tuple(
+                jnp.logical_or(*predicates(leaves[i], mode, threshold))
+                if tests is None or tests[i] is None
+                else tests[i]
+                for i in chunk
+            )
+            out = lax.reduce(chunk_tests, (false,) * len(chunk_tests), or_, dims)
             for i, flag in zip(chunk, out, strict=True):
                 flags[i] = flag
     return (flags, maxes) if with_max else flags

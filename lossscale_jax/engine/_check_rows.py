@@ -41,22 +41,34 @@ ON = _platform.GPUS
 """The platforms whose steps check in rows (XLA:GPU); the others keep the grouped check."""
 
 
-def _rows(g: jax.Array, mode: str, threshold: float) -> jax.Array:
-    """``g``'s overflow test as ``[rows, ROW]`` booleans, the last row padded with ``False``."""
-    test = jnp.logical_or(*_check.predicates(g, mode, threshold)).ravel()
+def test_of(g: jax.Array, mode: str, threshold: float) -> jax.Array:
+    """``g``'s elementwise overflow test: the union of ``_check.predicates``."""
+    return jnp.logical_or(*_check.predicates(g, mode, threshold))
+
+
+def _rows(test: jax.Array) -> jax.Array:
+    """A leaf's overflow test as ``[rows, ROW]`` booleans, the last row padded with ``False``."""
+    test = test.ravel()
     rows = -(-test.size // ROW)
     if rows * ROW != test.size:
         test = jnp.pad(test, (0, rows * ROW - test.size))
     return test.reshape(rows, ROW)
 
 
-def in_rows(leaves: list[Any], mode: str, threshold: float) -> jax.Array:
+def in_rows(
+    leaves: list[Any], mode: str, threshold: float, tests: dict[int, jax.Array] | None = None
+) -> jax.Array:
     """One ``bool`` per leaf of ``leaves`` (``False`` for a leaf that is not floating): the
-    flags ``_check.every_leaf_flags`` gives, from one row reduction over every leaf."""
+    flags ``_check.every_leaf_flags`` gives, from one row reduction over every leaf.
+    ``tests``: the leaves' ``test_of``, by index, where the caller has them already."""
+    tests = tests or {}
     blocks, bounds, total = [], [], 0
-    for g in leaves:
+    for i, g in enumerate(leaves):
         if _check.is_float(g) and jnp.size(g) > 0:
-            block = _rows(jnp.asarray(g), mode, threshold)
+            test = tests.get(i)
+            if test is None:
+                test = test_of(jnp.asarray(g), mode, threshold)
+            block = _rows(test)
             blocks.append(block)
             bounds.append((total, total + block.shape[0]))
             total += block.shape[0]
@@ -71,10 +83,19 @@ def in_rows(leaves: list[Any], mode: str, threshold: float) -> jax.Array:
     return count[end] > count[first]
 
 
-def grouped(leaves: list[Any], mode: str, threshold: float) -> jax.Array:
-    """The grouped reductions' flags (``_check.leaf_flags``) as one vector."""
+def grouped(
+    leaves: list[Any], mode: str, threshold: float, tests: dict[int, jax.Array] | None = None
+) -> jax.Array:
+    """The grouped reductions' flags (``_check.leaf_flags``) as one vector (``tests``: as
+    ``in_rows``')."""
+    tests = tests or {}
     checked = [i for i, g in enumerate(leaves) if _check.is_float(g)]
-    found = _check.leaf_flags([jnp.asarray(leaves[i]) for i in checked], mode, threshold)
+    found = _check.leaf_flags(
+        [jnp.asarray(leaves[i]) for i in checked],
+        mode,
+        threshold,
+        tests=[tests.get(i) for i in checked],
+    )
     flags = [jnp.zeros([], jnp.bool_)] * len(leaves)
     for i, flag in zip(checked, found, strict=True):
         flags[i] = flag
@@ -90,4 +111,14 @@ def leaf_vector(grads: Any, mode: Any, compute_dtype: Any) -> jax.Array:
     if not leaves:
         return jnp.zeros([0], jnp.bool_)
 
-    return _platform.pick(grouped(leaves, mode, limit), in_rows(leaves, mode, limit), ON)
+    # Each leaf's test traced once, for both: the grouped reductions of several leaves reduce
+    # it, the rows lay it out (a leaf alone in its group reduces its two predicates instead).
+    alone = _check.alone(leaves)
+    tests = {
+        i: test_of(jnp.asarray(g), mode, limit)
+        for i, g in enumerate(leaves)
+        if i not in alone and _check.is_float(g) and jnp.size(g) > 0
+    }
+    return _platform.pick(
+        grouped(leaves, mode, limit, tests), in_rows(leaves, mode, limit, tests), ON
+    )

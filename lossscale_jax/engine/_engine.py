@@ -343,12 +343,12 @@ class Engine:
         """``good(*operands)`` if ``apply`` else ``skip(*operands)``: one ``lax.cond``, or a
         select per output leaf where the backend's formulation says so (``_skip``).
 
-        Good branch first: XLA:CPU inserts fewer copies for this order. Under
-        ``shard_map`` the branches' outputs are matched in what they vary over.
-        ``good_shapes``: ``jax.eval_shape(good, *operands)``, when the caller has it already.
+        Good branch first: XLA:CPU inserts fewer copies for this order. Under ``shard_map`` the
+        branches' outputs are matched in what they vary over. ``good_shapes``:
+        ``jax.eval_shape(good, *operands)``, when the caller has it already.
         """
-        # A skipped step in a good one's dtypes.
-        skip = _skip.as_good(good, skip, operands, good_shapes)
+        good = _skip.traced_once(good)  # one trace: its shapes, effects, every formulation's
+        skip = _skip.as_good(good, skip, operands, good_shapes)  # in a good step's dtypes
         return _skip.choose(apply, good, skip, *operands)
 
     @staticmethod
@@ -383,10 +383,10 @@ def inner_or_skip(
     """``inner_update(grads, inner_state)`` if ``apply``, else ``-0.0`` updates and the
     inner state as it was (e.g. Adam's count unchanged): the Optax path's conditional.
 
-    ``shapes``: ``jax.eval_shape`` of ``inner_update`` (the updates' and the inner state's),
-    when the caller has them already.
+    ``shapes``: ``jax.eval_shape(inner_update, grads, inner_state)``, where the caller has it.
     """
 
+    @_skip.traced_once  # for its shapes here, and in every formulation's branch
     def good(operands: Any) -> Any:
         return inner_update(*operands)
 

@@ -22,16 +22,15 @@ benchmark's ``--compile-for``). So a step traced with no override holds both for
 lowers that branch alone (lowered for one platform, the program holds the kept branch inside
 ``platform_dependent``'s switch on a constant, which XLA folds before anything else: XLA:CPU's
 optimized program is the conditional's, as in a step that traced it alone). What it costs: the
-good and skip branches are traced twice, once per formulation, and once more for their effects
-(:func:`has_effects`): Python time while the step is traced, nothing at run time and nothing in
-what XLA compiles (the benchmark's 185M language model, 75 leaves under Adam: its optimizer step
-traced in 0.55 s with the conditional alone, 0.75-1.0 s with both, on 2 loaded cores, against
-seconds of compilation). Worth it: the program compiled for a GPU off one is the GPU's, which a
-formulation chosen from the process's platforms got wrong (the CPU's conditional, or the select
-fenced for the CPU, lowered for a GPU). A cheaper way would decide in a primitive lowered per
-platform (as :func:`fenced`'s fence and the check's formulation are, ``_platform``), but the
-choice here is control flow: such a primitive would carry the branches as jaxprs and need its
-own rules for every transformation ``lax.cond`` has.
+good branch is traced once (:func:`traced_once`: its shapes, its effects and both formulations'
+branches inline one jaxpr), the skip branch (constants and the operands as they were) once per
+use; the jaxpr holds the good branch once per formulation, which JAX lowers for the kept one
+alone: nothing at run time and nothing in what XLA compiles. Worth it: the program compiled
+for a GPU off one is the GPU's, which a formulation chosen from the process's platforms got
+wrong (the CPU's conditional, or the select fenced for the CPU, lowered for a GPU). A cheaper
+way would decide in a primitive lowered per platform (as :func:`fenced`'s fence and the check's
+formulation are, ``_platform``), but the choice here is control flow: such a primitive would
+carry the branches as jaxprs and need its own rules for every transformation ``lax.cond`` has.
 
 Both select the same operands on every step (the skip branch's outputs are constants or the
 operands as they were; the good branch's are selected whole), and the property test runs
@@ -175,6 +174,31 @@ def has_effects(fun: Callable[..., Any], *operands: Any) -> bool:
     return bool(jax.make_jaxpr(fun)(*operands).effects)
 
 
+def traced_once(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun``, its trace made once and reused by every use in the step being traced.
+
+    A decision's good branch is used four times while a step is traced: its shapes
+    (``jax.eval_shape``), its effects (:func:`has_effects`), the conditional's branch and the
+    select's. Each would trace ``fun`` (the inner optimizer's update, in Python) again; wrapped
+    in ``jax.jit(..., inline=True)`` it is traced once, JAX's trace cache keeps the jaxpr (keyed
+    on ``fun`` and its operands' types, and ``fun`` is made anew for each step traced), and each
+    use inlines it: the jaxpr of every use, and so the program, is the one tracing ``fun`` there
+    gives. Idempotent: a function it returned comes back as it is.
+    """
+    if getattr(fun, _ONCE, False):
+        return fun
+    jitted = jax.jit(fun, inline=True)
+
+    def once(*operands: Any) -> Any:
+        return jitted(*operands)
+
+    setattr(once, _ONCE, True)
+    return once
+
+
+_ONCE = "_lossscale_jax_traced_once"  # the mark of a function traced_once returned
+
+
 def choose(
     pred: jax.Array, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any
 ) -> Any:
@@ -183,6 +207,7 @@ def choose(
     branches matched under ``shard_map``); ``"cond"`` wherever a branch has effects (the
     module's docstring says why)."""
     impls = {"cond": cond, "select": select_outputs}
+    true_fun = traced_once(true_fun)
     forced = current()
     wanted = {forced} if forced is not None else here()
     if "select" in wanted and (
