@@ -245,6 +245,7 @@ def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
                 "lossscale_jax.integrations._tunix_step",
                 "lossscale_jax.integrations._tunix_mismatch",
                 "lossscale_jax.integrations._tunix_maxtext",
+                "lossscale_jax.integrations._tunix_optimizer",
             },
         ),
         (
