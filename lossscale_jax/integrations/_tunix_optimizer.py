@@ -65,7 +65,7 @@ def plan(tx: Any, tunix_k: int | None) -> Plan:
                 f"optax.MultiSteps of its own (every_k_schedule={own or 'a schedule'}); stock "
                 "Tunix updates the parameters once per both windows. Accumulate once: give "
                 "the trainer the optimizer inside the MultiSteps (its inner_opt) and "
-                f"gradient_accumulation_steps={tunix_k * own if own else 'the product'} "
+                f"gradient_accumulation_steps={(tunix_k or 1) * own if own else 'the product'} "
                 "(Tunix counts a train step per window: max_steps and the checkpoint and "
                 "eval cadences count those)."
             )

@@ -139,8 +139,11 @@ def _saying_what_happened(trainer: Any) -> Callable[[list[Any]], Any]:
 
     def reduce(values: list[Any]) -> Any:
         nonlocal in_a_row
-        rows = [dict(zip(_WHY, np.asarray(v, np.float64).tolist(), strict=True)) for v in values]
-        last = dict(rows[-1], loss_finite=min(r["loss_finite"] for r in rows))
+        rows: list[dict[str, float]] = [
+            dict(zip(_WHY, np.asarray(v, np.float64).tolist(), strict=True)) for v in values
+        ]
+        last: dict[str, float] = dict(rows[-1])
+        last["loss_finite"] = min(r["loss_finite"] for r in rows)  # any micro-batch's
         last["scale_used"] = rows[0]["scale_used"]
         skipped = bool(last["skipped"])
         helpless = not last["loss_finite"] or bool(last["stuck"])
