@@ -246,6 +246,7 @@ def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
                 "lossscale_jax.integrations._tunix_mismatch",
                 "lossscale_jax.integrations._tunix_maxtext",
                 "lossscale_jax.integrations._tunix_optimizer",
+                "lossscale_jax.integrations._tunix_accumulating_step",
             },
         ),
         (
@@ -262,6 +263,7 @@ def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
                 "lossscale_jax.integrations.tunix",
                 "lossscale_jax.integrations._tunix_checkpoint",
                 "lossscale_jax.integrations._tunix_mismatch",
+                "lossscale_jax.integrations._tunix_accumulating_step",
             },
         ),
         (

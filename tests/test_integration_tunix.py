@@ -77,7 +77,11 @@ def loss_with_fault(model, input_tokens, input_mask, positions, attention_mask):
     """Tunix's default SFT loss, times inf on a batch whose first token is ``BAD`` (a factor,
     not a where: the backward of a where would make every step's gradient nan)."""
     loss = peft_trainer._default_loss_fn(model, input_tokens, input_mask, positions, attention_mask)
-    return loss * jnp.where(input_tokens[0, -1] == BAD, jnp.inf, 1.0)
+    factor = jnp.where(input_tokens[0, -1] == BAD, jnp.inf, 1.0)
+    if hasattr(loss, "primary_loss"):  # Tunix's main branch: a LossOutput, a sum over tokens
+        total = loss.primary_loss.replace(unreduced_sum=loss.primary_loss.unreduced_sum * factor)
+        return loss.replace(primary_loss=total)
+    return loss * factor
 
 
 def batches(n, bad=()):

@@ -267,23 +267,35 @@ def plain_sft_trainer():
 def test_a_release_lacking_a_seam_is_refused_by_name_with_nothing_changed(monkeypatch):
     from tunix.rl import rl_learner
 
-    def next_releases_step(self, model, optimizer, grad_accumulator, inputs, is_update_step):
+    def another_step(self, model, inputs):
+        raise AssertionError("never called")
+
+    def main_branchs_step(self, model, optimizer, grad_accumulator, inputs, is_update_step):
         raise AssertionError("never called")
 
     trainer = plain_sft_trainer()
     before = snapshot(trainer)
-    monkeypatch.setattr(peft_trainer.PeftTrainer, "_train_step", next_releases_step)
+    monkeypatch.setattr(peft_trainer.PeftTrainer, "_train_step", another_step)
     monkeypatch.delattr(rl_learner.RLLearner, "_generate_and_compute_advantage")
     with pytest.raises(IntegrationError) as refused:
         lsj_tunix.enable(trainer)
     message = str(refused.value)
     assert (
-        "tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, optimizer, "
-        "grad_accumulator, inputs, is_update_step): the integration needs "
-        "tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, optimizer, inputs)"
+        "tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, inputs): the integration "
+        "needs tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, optimizer, inputs)"
     ) in message
     assert "tunix.rl.rl_learner.RLLearner._generate_and_compute_advantage: missing" in message
     assert message.count("\n- ") == 2  # those two, and no other
+    assert snapshot(trainer) == before
+    # The step of Tunix's main branch, on a release without the rest of its seams (0.1.7's):
+    # refused, naming what the main branch's step also relies on.
+    monkeypatch.setattr(peft_trainer.PeftTrainer, "_train_step", main_branchs_step)
+    with pytest.raises(IntegrationError) as refused:
+        lsj_tunix.enable(trainer)
+    message = str(refused.value)
+    assert "tunix.sft.peft_trainer.GradientAccumulator.add: missing" in message
+    assert "tunix.sft.utils.LossOutput: missing" in message
+    assert "_train_step" not in message  # that one is there as used
     assert snapshot(trainer) == before
 
 
@@ -307,7 +319,11 @@ def test_a_trainer_lacking_what_enable_relies_on_is_refused_by_name():
 def test_a_release_with_every_seam_and_another_version_works(monkeypatch):
     monkeypatch.setattr(_tunix_seams, "version", lambda: "0.1.8")
     trainer = plain_sft_trainer()
-    with pytest.warns(IntegrationWarning, match=r"tested with google-tunix 0\.1\.7; .* 0\.1\.8"):
+    with pytest.warns(
+        IntegrationWarning,
+        match=r"tested with google-tunix 0\.1\.7 and Tunix's main branch at c7d8950 \(0\.1\.8\); "
+        r"this environment has 0\.1\.8",
+    ):
         lsj_tunix.enable(trainer, lsj.DynamicScale(init_scale=2.0**10))
     with EX.entered(EX.mesh()):
         trainer.train(EX.sft_batches(SIZE, 2, seed=3))

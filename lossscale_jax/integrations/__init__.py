@@ -8,7 +8,9 @@ framework it relies on (a release that lacks one is refused, naming it), makes e
 before its first change, and imports the framework only there.
 
 Holds: ``tunix`` (``enable``: Tunix's SFT and RL trainers, public) and its parts,
-``_tunix_step`` (the train step and its metrics), ``_tunix_optimizer`` (the loss-scaled optimizer from the trainer's, its accumulation kept),
+``_tunix_step`` (the train step and its metrics), ``_tunix_accumulating_step`` (the step
+on Tunix's main branch, whose trainer has a gradient accumulator of its own),
+``_tunix_optimizer`` (the loss-scaled optimizer from the trainer's, its accumulation kept),
 ``_tunix_models`` (float16 compute for
 Tunix's models: their attention mask constant, their compute dtype), ``_tunix_checkpoint``
 (checkpoints of the loss-scaled optimizer), ``_tunix_mismatch`` (the rollout/trainer

@@ -41,12 +41,16 @@ class Plan:
     layers: int
 
 
-def plan(tx: Any, tunix_k: int | None) -> Plan:
+def plan(tx: Any, tunix_k: int | None, *, wrapped: bool = True) -> Plan:
     """Unwraps ``tx``, the transformation a Tunix trainer's ``nnx.Optimizer`` holds;
     ``tunix_k``: the trainer's ``gradient_accumulation_steps`` (``None``: unset, and Tunix
-    wrapped nothing)."""
+    wrapped nothing); ``wrapped``: whether Tunix accumulates with an ``optax.MultiSteps``
+    around ``tx`` (google-tunix 0.1.7) or with an accumulator of its own (its main branch:
+    the window is the step's, and the plan's ``every_k`` is the user's alone)."""
     layers, every_k = 0, 1
-    if tunix_k is not None:
+    if not wrapped and tunix_k is not None and tunix_k > 1:
+        every_k = tunix_k  # only to refuse a second window below; the step keeps Tunix's
+    if wrapped and tunix_k is not None:
         if not isinstance(tx, optax.MultiSteps):
             raise IntegrationError(
                 f"enable(): this trainer accumulates {tunix_k} micro-batches "
@@ -70,6 +74,8 @@ def plan(tx: Any, tunix_k: int | None) -> Plan:
                 "eval cadences count those)."
             )
         tx, layers, every_k = tx.inner_opt, layers + 1, _keepable(tx, own)
+    elif not wrapped:
+        every_k = 1
     return Plan(tx, every_k, layers)
 
 

@@ -106,7 +106,14 @@ def outputs(
     said.setdefault("overflow_leaves", 0)
     said.setdefault("first_overflow_leaf", -1)
     own[PREFIX + "skipped"] = jnp.stack([jnp.asarray(said[k], jnp.float32) for k in _WHY])
+    if _is_loss_output(aux):  # Tunix's loop buffers its metrics itself (route_metrics)
+        return loss, aux.replace(aux_metrics={**aux.aux_metrics, **own}), grad_norm
     return loss, {"aux": aux, _OWN: own}, grad_norm
+
+
+def _is_loss_output(aux: Any) -> bool:
+    """Whether ``aux`` is a ``LossOutput`` of Tunix's main branch (a loss and its metrics)."""
+    return type(aux).__name__ == "LossOutput" and hasattr(aux, "aux_metrics")
 
 
 def route_metrics(trainer: Any) -> None:
@@ -119,10 +126,17 @@ def route_metrics(trainer: Any) -> None:
 
     def post_process(out: Any) -> Any:
         buffer = trainer._buffered_train_metrics.additional_metrics
-        for name, value in out[_OWN].items():
-            values, _ = buffer.setdefault(name, ([], reducers[name[len(PREFIX) :]]))
-            values.append(value)  # a device array: the trainer reads it a step later
-        return hook(out["aux"])
+        if isinstance(out, dict) and _OWN in out:
+            for name, value in out[_OWN].items():
+                values, _ = buffer.setdefault(name, ([], reducers[name[len(PREFIX) :]]))
+                values.append(value)  # a device array: the trainer reads it a step later
+            return hook(out["aux"])
+        # A LossOutput's metrics (Tunix's main branch): the loop buffered them, ours among
+        # them, with its reducer; ours get their own, and the hook the others.
+        mine = [name for name in out if name.startswith(PREFIX) and name in buffer]
+        for name in mine:
+            buffer[name] = (buffer[name][0], reducers[name[len(PREFIX) :]])
+        return hook({k: v for k, v in out.items() if k not in mine})
 
     trainer._post_process_train_step = post_process
 

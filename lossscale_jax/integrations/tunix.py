@@ -31,6 +31,9 @@ except ImportError as _missing:  # the floor CI leg checks the message
 
 from lossscale_jax.flax_utils import LossScaleOptimizer
 from lossscale_jax.integrations import (
+    _tunix_accumulating_step as _accumulating,
+)
+from lossscale_jax.integrations import (
     _tunix_checkpoint,
     _tunix_lora,
     _tunix_maxtext,
@@ -196,6 +199,12 @@ def _targets(target: Any) -> tuple[list[Any], Any, Any]:
         )
     if isinstance(target, peft_trainer.PeftTrainer):
         return [target], None, None
+    if type(target).__module__.startswith("tunix.experimental"):
+        raise IntegrationError(
+            f"enable() does not take Tunix's experimental {type(target).__qualname__} "
+            f"({type(target).__module__}: separate forward-backward and update steps) yet: "
+            "train with tunix.sft.peft_trainer.PeftTrainer (or an RL learner) instead."
+        )
     learner = target if isinstance(target, rl_learner.RLLearner) else None
     cluster = learner.rl_cluster if learner is not None else target
     if not isinstance(cluster, rl_cluster_lib.RLCluster):
@@ -296,8 +305,11 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
             f"{TESTED_VERSIONS[-1]} comes with, or pass compute_dtype=None and build the "
             "model in the dtype to train in."
         )
+    kind = _tunix_seams.kind()
+    if kind == "accumulator":
+        _check_accumulator_trainer(trainer, own_step is not None)
     tunix_k = trainer.config.gradient_accumulation_steps  # None: unset
-    the_plan = _tunix_optimizer.plan(old.tx, tunix_k)
+    the_plan = _tunix_optimizer.plan(old.tx, tunix_k, wrapped=kind == "multisteps")
     new = _tunix_optimizer.build(trainer.model, old, the_plan, policy, LossScaleOptimizer)
 
     def change() -> None:
@@ -306,13 +318,35 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
         if own_step is not None:
             trainer.create_train_step_fn = own_step
         else:
-            step = make_train_step(trainer)
+            make = make_train_step if kind == "multisteps" else _accumulating.make_train_step
+            step = make(trainer)
             trainer.create_train_step_fn = lambda: step
         route_metrics(trainer)
-        _tunix_checkpoint.install(trainer)
-        _tunix_checkpoint.restore(trainer, tunix_k or 1)
+        if kind == "multisteps":
+            _tunix_checkpoint.install(trainer)
+            _tunix_checkpoint.restore(trainer, tunix_k or 1)
 
     return change
+
+
+def _check_accumulator_trainer(trainer: Any, maxtext: bool) -> None:
+    """Refuses, on Tunix's main branch (its own gradient accumulator), what ``enable`` does
+    not build there yet, naming it: checkpoints (Tunix's Orbax v1 checkpointer) and MaxText's
+    SFT trainer."""
+    if trainer.config.checkpoint_root_directory is not None:
+        raise IntegrationError(
+            "enable(): on this Tunix (its main branch, a gradient accumulator of its own: "
+            f"google-tunix {_tunix_seams.version()}) enable() does not yet keep the "
+            "loss-scaled optimizer in Tunix's checkpoints (its Orbax v1 checkpointer). Train "
+            "without checkpoint_root_directory, or with google-tunix "
+            f"{TESTED_VERSIONS[-1]}."
+        )
+    if maxtext:
+        raise IntegrationError(
+            "enable(): MaxText's MaxTextPeftTrainer on this Tunix (its main branch, a "
+            "gradient accumulator of its own) is not supported yet: train it with "
+            f"google-tunix {TESTED_VERSIONS[-1]}."
+        )
 
 
 def _check_own_step(trainer: Any) -> None:
