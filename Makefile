@@ -22,7 +22,8 @@ STAMP := $(VENV)/.installed-stamp
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: demo test test-select test-fast test-floor test-tunix test-easydel test-gpu lint typecheck clean docs docs-outputs doctest dist
+.PHONY: demo test test-select test-fast test-floor test-tunix test-tunix-main test-easydel test-gpu lint \
+	typecheck clean docs docs-outputs doctest dist
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@for name in $(or $(PYTHON),$(PYTHONS)); do \
@@ -80,6 +81,27 @@ test-tunix:
 	$(MAKE) $(TUNIX_VENV)/.maxtext-stamp
 	$(TUNIX_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load \
 		tests/test_integration_tunix*.py "tests/test_docs.py::test_code_blocks_run[rl.md]"
+
+# Tunix's main branch (its next release's seams: a gradient accumulator of its own, losses as a
+# LossOutput; tests/test_integration_tunix_main.py, which make test-tunix runs and skips, saying
+# so, until pip resolves a release with them), from its source at the commit tested, in a venv
+# of its own on Python 3.12 with the JAX it admits (.ci/tunix-main-requirements.txt). Tunix goes
+# in with --no-deps. TUNIX_SOURCE: a checkout of google/tunix, or pip's git URL (needs network).
+TUNIX_MAIN_VENV ?= .venv-tunix-main
+TUNIX_MAIN_COMMIT ?= c7d8950
+TUNIX_SOURCE ?= git+https://github.com/google/tunix@$(TUNIX_MAIN_COMMIT)
+test-tunix-main: $(TUNIX_MAIN_VENV)/.tunix-main-stamp
+	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load \
+		tests/test_integration_tunix_main.py
+
+$(TUNIX_MAIN_VENV)/.tunix-main-stamp: .ci/tunix-main-requirements.txt
+	$(MAKE) $(TUNIX_MAIN_VENV)/.installed-stamp VENV=$(TUNIX_MAIN_VENV) PYTHON=python3.12 \
+		EXTRAS=test CONSTRAINTS=.ci/tunix-main-requirements.txt
+	$(TUNIX_MAIN_VENV)/bin/uv pip install -q --python $(TUNIX_MAIN_VENV)/bin/python \
+		-r .ci/tunix-main-requirements.txt
+	$(TUNIX_MAIN_VENV)/bin/uv pip install -q --python $(TUNIX_MAIN_VENV)/bin/python --no-deps \
+		"$(TUNIX_SOURCE)"
+	touch $@
 
 # MaxText's post-training (tests/test_integration_tunix_maxtext.py) in the Tunix venv: the
 # packages of pyproject.toml's maxtext extra, without their dependencies (the extra says why).

@@ -247,6 +247,8 @@ def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
                 "lossscale_jax.integrations._tunix_maxtext",
                 "lossscale_jax.integrations._host._dtype",
                 "lossscale_jax.integrations.easydel",
+                "lossscale_jax.integrations._tunix_optimizer",
+                "lossscale_jax.integrations._tunix_accumulating_step",
             },
         ),
         (
@@ -264,6 +266,7 @@ def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
                 "lossscale_jax.integrations.tunix",
                 "lossscale_jax.integrations._tunix_checkpoint",
                 "lossscale_jax.integrations._tunix_mismatch",
+                "lossscale_jax.integrations._tunix_accumulating_step",
             },
         ),
         (

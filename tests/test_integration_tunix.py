@@ -61,7 +61,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # Tunix's imports
     from flax import nnx
     from tunix.models.qwen3 import model as qwen3_lib
-    from tunix.sft import peft_trainer
+    from tunix.sft import hooks, peft_trainer
 
     from lossscale_jax.integrations import tunix as lsj_tunix
 
@@ -77,7 +77,11 @@ def loss_with_fault(model, input_tokens, input_mask, positions, attention_mask):
     """Tunix's default SFT loss, times inf on a batch whose first token is ``BAD`` (a factor,
     not a where: the backward of a where would make every step's gradient nan)."""
     loss = peft_trainer._default_loss_fn(model, input_tokens, input_mask, positions, attention_mask)
-    return loss * jnp.where(input_tokens[0, -1] == BAD, jnp.inf, 1.0)
+    factor = jnp.where(input_tokens[0, -1] == BAD, jnp.inf, 1.0)
+    if hasattr(loss, "primary_loss"):  # Tunix's main branch: a LossOutput, a sum over tokens
+        total = loss.primary_loss.replace(unreduced_sum=loss.primary_loss.unreduced_sum * factor)
+        return loss.replace(primary_loss=total)
+    return loss * factor
 
 
 def batches(n, bad=()):
@@ -102,6 +106,7 @@ def sft(
     optimizer=None,
     mesh=None,
     loss=None,
+    compute_dtype=jnp.float16,
 ):
     """A Tunix SFT run of the example's Qwen3 on left-padded batches (``lora``: qwix's LoRA
     on the projections that module path matches; ``mesh``: the model resharded onto it by
@@ -125,10 +130,46 @@ def sft(
         trainer.initial_params = initial  # the test's own note: the parameters before training
         trainer.with_gen_model_input_fn(EX.model_inputs)
         trainer.with_loss_fn(loss or loss_with_fault)
+        trainer.moved = []  # the test's own note: whether each step changed the parameters
+        trainer.with_training_hooks(ParamsPerStep(trainer.moved))
         if enable:
-            lsj_tunix.enable(trainer, policy or lsj.DynamicScale(init_scale=2.0**10))
+            policy = policy or lsj.DynamicScale(init_scale=2.0**10)
+            lsj_tunix.enable(trainer, policy, compute_dtype=compute_dtype)
         trainer.train(batches(steps * (accumulate or 1), bad))
     return trainer
+
+
+class ParamsPerStep(hooks.TrainingHooks):
+    """Notes into ``moved``, for each step the trainer takes (each micro-batch), whether the
+    model's parameters changed in it (a digest of their bytes before and after)."""
+
+    def __init__(self, moved):
+        self.moved, self.before = moved, None
+
+    def _digest(self, trainer):
+        state = nnx.state(trainer.model, nnx.Param)
+        return hash(b"".join(np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(state)))
+
+    def on_train_step_start(self, train_ctx):
+        now = self._digest(train_ctx)
+        if self.before is not None:
+            self.moved.append(now != self.before)
+        self.before = now
+
+    def on_train_end(self, train_ctx):
+        self.on_train_step_start(train_ctx)
+
+    def on_train_start(self, train_ctx):
+        pass
+
+    def on_train_step_end(self, train_ctx, train_step, train_loss):
+        pass
+
+    def on_eval_step_start(self, train_ctx):
+        pass
+
+    def on_eval_step_end(self, train_ctx, eval_loss):
+        pass
 
 
 def with_lora(model, module_path):
@@ -174,7 +215,9 @@ def test_an_overflowing_step_is_skipped_and_the_parameters_kept():
     after = jax.tree_util.tree_map(np.asarray, nnx.state(trainer.model, nnx.Param))
     jax.tree_util.tree_map(np.testing.assert_array_equal, after, params)  # bit for bit
     assert history(trainer, "loss_scale/skipped") == [0.0, 0.0, 1.0]
-    assert history(trainer, "loss_scale/loss_scale")[-1] == 2.0**9  # backed off from 2**10
+    # The scale each step's loss was multiplied by, and the scale after its adjustment.
+    assert history(trainer, "loss_scale/scale_used") == [2.0**10] * 3
+    assert history(trainer, "loss_scale/loss_scale") == [2.0**10, 2.0**10, 2.0**9]
     assert int(trainer.optimizer.step[...]) == 2 and trainer.train_steps == 3
     assert not np.isfinite(history(trainer, "grad_norm")[-1])  # logged as it was
 
@@ -189,6 +232,65 @@ def test_tunix_accumulation_skips_the_whole_window():
     skipped = history(trainer, "loss_scale/skipped")  # one value per window
     assert len(skipped) == 3 and skipped[1] == 1.0  # (another may overflow by itself)
     assert int(trainer.optimizer.step[...]) == 3 - sum(skipped) and trainer.train_steps == 3
+
+
+def multi_steps(k=2, **kwargs):
+    """The user's own accumulation: an ``optax.MultiSteps`` given to the trainer as its
+    optimizer (Tunix's ``gradient_accumulation_steps`` unset)."""
+    return optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=k, **kwargs)
+
+
+def test_a_users_own_multisteps_keeps_its_window():
+    # Stock Tunix (float32, no enable) updates the parameters on every second step.
+    stock = sft(jnp.float32, enable=False, steps=4, optimizer=multi_steps())
+    assert stock.moved == [False, True, False, True]
+    # enable() keeps that window: in float32 with no scale, the same parameters as stock.
+    same = sft(
+        jnp.float32, steps=4, optimizer=multi_steps(), policy=lsj.NoScale(), compute_dtype=None
+    )
+    assert same.moved == stock.moved
+    assert isinstance(nnx.as_pure(same.optimizer.opt_state), lsj.LossScalingMultiStepsState)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),  # Adam: ~1e-2 a step
+        nnx.to_pure_dict(nnx.state(same.model, nnx.Param)),
+        nnx.to_pure_dict(nnx.state(stock.model, nnx.Param)),
+    )
+    # In float16, an inf in the second window's first micro-batch skips that window whole.
+    trainer = sft(jnp.float16, steps=4, optimizer=multi_steps(), bad=(2,))
+    assert trainer.moved == [False, True, False, False]
+    # Each step logs the last completed window's decision: the second's at step 4.
+    assert history(trainer, "loss_scale/skipped") == [0.0, 0.0, 0.0, 1.0]
+    assert int(trainer.optimizer.step[...]) == 1 and trainer.train_steps == 4
+
+
+def test_a_users_multisteps_restored_mid_window_carries_its_micro_batches(tmp_path):
+    stock = sft(jnp.float32, enable=False, steps=3, optimizer=multi_steps(), root=str(tmp_path))
+    plain = nnx.as_pure(stock.optimizer.opt_state)
+    assert int(plain.mini_step) == 1  # a window in progress: one micro-batch seen
+    # Built again on the checkpoint (Tunix restores step 3), then enable(): nothing to train.
+    trainer = sft(jnp.float16, steps=3, optimizer=multi_steps(), root=str(tmp_path))
+    state = nnx.as_pure(trainer.optimizer.opt_state)
+    assert trainer.train_steps == 3 and int(state.mini_step) == 1
+    # MultiSteps keeps the window's mean, the loss-scaled window its sum: one micro-batch,
+    # the same numbers.
+    jax.tree_util.tree_map(np.testing.assert_array_equal, state.acc_grads, plain.acc_grads)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, state.inner_state, plain.inner_opt_state)
+
+
+def test_accumulating_twice_or_what_a_window_cannot_keep_is_refused_naming_the_fix():
+    with pytest.raises(IntegrationError, match=r"gradient_accumulation_steps=6 \(Tunix"):
+        sft(jnp.float16, steps=1, accumulate=2, optimizer=multi_steps(3))
+    with pytest.raises(IntegrationError, match=r"every_k_schedule=k"):
+        sft(jnp.float16, steps=1, optimizer=multi_steps(lambda step: 2))
+    with pytest.raises(IntegrationError, match=r"optax.scale\(2\)"):
+        sft(jnp.float16, steps=1, optimizer=multi_steps(use_grad_mean=False))
+    with pytest.raises(IntegrationError, match="Drop should_skip_update_fn"):
+        sft(
+            jnp.float16, steps=1, optimizer=multi_steps(should_skip_update_fn=optax.skip_not_finite)
+        )
+    # Tunix's own accumulation of 1 around the user's window: the user's window is kept.
+    kept = sft(jnp.float16, steps=2, accumulate=1, optimizer=multi_steps())
+    assert kept.moved == [False, True]
 
 
 def test_lora_trains_the_lora_params_only():

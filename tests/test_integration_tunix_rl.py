@@ -204,6 +204,9 @@ def test_ppo_with_lora_everywhere_and_a_scale_per_role():
     lora_before = params(actor, nnx.LoRAParam)
     cluster = make_cluster(actor, critic=rl_utils.create_critic_model(EX.qwen3(SIZE)))
     learner = ppo(cluster)
+    # One trainer of a cluster with a critic: refused, naming critic_policy (PPO takes it).
+    with pytest.raises(IntegrationError, match=r"enable\(learner, policy, critic_policy="):
+        lsj_tunix.enable(cluster.actor_trainer)
     lsj_tunix.enable(
         learner, lsj.DynamicScale(init_scale=2.0**10), critic_policy=lsj.StaticScale(16.0)
     )
@@ -238,8 +241,10 @@ def test_one_trainer_of_a_cluster_is_refused_naming_the_learner():
     learner = grpo(cluster)
     before = snapshot(cluster.actor_trainer)
     rollout_graph = cluster.rollout._sampler._transformer_graphdef
-    with pytest.raises(IntegrationError, match=r"enable\(learner, policy, critic_policy="):
+    # GRPO has no critic: the message does not suggest critic_policy, which GRPO refuses.
+    with pytest.raises(IntegrationError, match=r"enable\(learner, policy\) on the RL") as e:
         lsj_tunix.enable(cluster.actor_trainer, lsj.DynamicScale())
+    assert "critic_policy" not in str(e.value)
     with pytest.raises(IntegrationError, match=r"critic_policy=\.\.\.\) is for PPO's critic"):
         lsj_tunix.enable(learner, critic_policy=lsj.DynamicScale())
     assert snapshot(cluster.actor_trainer) == before
@@ -262,23 +267,35 @@ def plain_sft_trainer():
 def test_a_release_lacking_a_seam_is_refused_by_name_with_nothing_changed(monkeypatch):
     from tunix.rl import rl_learner
 
-    def next_releases_step(self, model, optimizer, grad_accumulator, inputs, is_update_step):
+    def another_step(self, model, inputs):
+        raise AssertionError("never called")
+
+    def main_branchs_step(self, model, optimizer, grad_accumulator, inputs, is_update_step):
         raise AssertionError("never called")
 
     trainer = plain_sft_trainer()
     before = snapshot(trainer)
-    monkeypatch.setattr(peft_trainer.PeftTrainer, "_train_step", next_releases_step)
+    monkeypatch.setattr(peft_trainer.PeftTrainer, "_train_step", another_step)
     monkeypatch.delattr(rl_learner.RLLearner, "_generate_and_compute_advantage")
     with pytest.raises(IntegrationError) as refused:
         lsj_tunix.enable(trainer)
     message = str(refused.value)
     assert (
-        "tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, optimizer, "
-        "grad_accumulator, inputs, is_update_step): the integration needs "
-        "tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, optimizer, inputs)"
+        "tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, inputs): the integration "
+        "needs tunix.sft.peft_trainer.PeftTrainer._train_step(self, model, optimizer, inputs)"
     ) in message
     assert "tunix.rl.rl_learner.RLLearner._generate_and_compute_advantage: missing" in message
     assert message.count("\n- ") == 2  # those two, and no other
+    assert snapshot(trainer) == before
+    # The step of Tunix's main branch, on a release without the rest of its seams (0.1.7's):
+    # refused, naming what the main branch's step also relies on.
+    monkeypatch.setattr(peft_trainer.PeftTrainer, "_train_step", main_branchs_step)
+    with pytest.raises(IntegrationError) as refused:
+        lsj_tunix.enable(trainer)
+    message = str(refused.value)
+    assert "tunix.sft.peft_trainer.GradientAccumulator.add: missing" in message
+    assert "tunix.sft.utils.LossOutput: missing" in message
+    assert "_train_step" not in message  # that one is there as used
     assert snapshot(trainer) == before
 
 
@@ -302,7 +319,11 @@ def test_a_trainer_lacking_what_enable_relies_on_is_refused_by_name():
 def test_a_release_with_every_seam_and_another_version_works(monkeypatch):
     monkeypatch.setattr(_tunix_seams, "version", lambda: "0.1.8")
     trainer = plain_sft_trainer()
-    with pytest.warns(IntegrationWarning, match=r"tested with google-tunix 0\.1\.7; .* 0\.1\.8"):
+    with pytest.warns(
+        IntegrationWarning,
+        match=r"tested with google-tunix 0\.1\.7 and Tunix's main branch at c7d8950 \(0\.1\.8\); "
+        r"this environment has 0\.1\.8",
+    ):
         lsj_tunix.enable(trainer, lsj.DynamicScale(init_scale=2.0**10))
     with EX.entered(EX.mesh()):
         trainer.train(EX.sft_batches(SIZE, 2, seed=3))
@@ -624,4 +645,54 @@ def test_the_first_skipped_step_is_said_with_why_once(caplog):
         trainer = sft(jnp.float16, steps=4, bad=(1, 2))
     assert history(trainer, "loss_scale/skipped") == [0.0, 1.0, 1.0, 0.0]
     said = [r.getMessage() for r in caplog.records if "skipped an optimizer step" in r.getMessage()]
-    assert len(said) == 1 and "the trainer skipped" in said[0] and "backed off" in said[0]
+    # The batches' loss is inf (loss_with_fault): said as such, the dynamic scale's backoff
+    # too, with no claim that a scale fixes it.
+    assert len(said) == 1 and "the trainer skipped" in said[0]
+    assert "its loss itself was not finite" in said[0]
+    assert "backed off from 1024 to 512" in said[0] and "which cannot help" in said[0]
+    assert not [r for r in caplog.records if "is stuck" in r.getMessage()]  # 2 in a row only
+
+
+def said(caplog, text):
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_the_log_says_what_was_not_finite_and_what_the_scale_did(caplog):
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(
+            nnx.as_pure(nnx.state(EX.qwen3(SIZE), nnx.Param))
+        )[0]
+    ]
+    # A dynamic scale of 2**24 on a finite loss: the scaled gradients pass float16's 65504 at
+    # the loss's first cotangent, so every leaf overflows; the scale halves.
+    with caplog.at_level("WARNING", logger="lossscale_jax.integrations.tunix"):
+        trainer = sft(jnp.float16, steps=1, policy=lsj.DynamicScale(init_scale=2.0**24))
+    assert history(trainer, "loss_scale/skipped") == [1.0]
+    (line,) = said(caplog, "skipped an optimizer step")
+    assert (
+        "its gradients, scaled by 16777216, overflowed (inf or nan): the gradient of "
+        f"{paths[0]} and {len(paths) - 1} other(s)"
+    ) in line
+    assert "backed off from 16777216 to 8388608" in line and "not finite before" not in line
+    # A static scale: it stays where it was, and three skips in a row are a stuck run.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lossscale_jax.integrations.tunix"):
+        trainer = sft(jnp.float16, steps=3, policy=lsj.StaticScale(2.0**24))
+    assert trainer.moved == [False] * 3
+    (line,) = said(caplog, "skipped an optimizer step")
+    assert "stayed at 16777216" in line and "backed off" not in line
+    assert "this policy does not lower it" in line
+    (line,) = said(caplog, "is stuck")
+    assert "its last 3 optimizer steps were all skipped" in line
+    assert "the gradients overflow at a loss scale of 16777216" in line
+    # No loss scale (bfloat16's default), and a loss that is inf at every step: the loss is
+    # named, the scale stays at 1, and the run is stuck.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lossscale_jax.integrations.tunix"):
+        sft(jnp.float16, steps=3, policy=lsj.NoScale(skip_on_overflow=True), bad=(0, 1, 2))
+    (line,) = said(caplog, "skipped an optimizer step")
+    assert "its loss itself was not finite" in line and "stayed at 1 " in line
+    assert "backed off" not in line and "scaled by" not in line
+    (line,) = said(caplog, "is stuck")
+    assert "the loss itself is not finite, which no loss scale fixes" in line

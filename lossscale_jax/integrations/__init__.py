@@ -9,17 +9,19 @@ before its first change, and imports the framework only there.
 
 Holds a folder per host beside the modules of the first: ``easydel`` (``enable``: EasyDeL's
 trainers, public; its ``_seams`` and ``_step``), and ``_host``, what every host needs written
-once (check-then-apply, the NNX compute-dtype switch with norms in float32, the loss wrapped
-in ``lsj.value_and_grad``, the loss scale's metrics for a host's logger, the rollout/trainer
+once (check-then-apply, the NNX compute-dtype switch with norms in float32, the loss wrapped in
+``lsj.value_and_grad``, the loss scale's metrics for a host's logger, the rollout/trainer
 mismatch metrics). Then ``tunix`` (``enable``: Tunix's SFT and RL trainers, public) and its
-parts, ``_tunix_step`` (the train step and its metrics), ``_tunix_models`` (float16 compute for
-Tunix's models: their attention mask constant, their compute dtype), ``_tunix_checkpoint``
-(checkpoints of the loss-scaled optimizer), ``_tunix_mismatch`` (the rollout/trainer
-log-prob mismatch, logged each step), ``_tunix_lora`` (qwix's LoRA in the compute dtype),
-``_tunix_seams`` (the names of Tunix it relies on) and ``_tunix_maxtext`` (MaxText's
-post-training on Tunix: its models' compute dtype, set through their own config; its SFT
-trainer's own step, kept; MaxText found through ``sys.modules``, never imported where the
-program has not).
+parts, ``_tunix_step`` (the train step and its metrics), ``_tunix_accumulating_step`` (the step
+on Tunix's main branch, whose trainer has a gradient accumulator of its own),
+``_tunix_optimizer`` (the loss-scaled optimizer from the trainer's, its accumulation kept),
+``_tunix_models`` (float16 compute for Tunix's models: their attention mask constant, their
+compute dtype), ``_tunix_checkpoint`` (checkpoints of the loss-scaled optimizer),
+``_tunix_mismatch`` (the rollout/trainer log-prob mismatch, logged each step), ``_tunix_lora``
+(qwix's LoRA in the compute dtype), ``_tunix_seams`` (the names of Tunix it relies on) and
+``_tunix_maxtext`` (MaxText's post-training on Tunix: its models' compute dtype, set through
+their own config; its SFT trainer's own step, kept; MaxText found through ``sys.modules``,
+never imported where the program has not).
 
 May import: everything else in the package (it sits above ``compat`` and ``presets``) and
 ``errors``. Nothing in the package imports it; ``import lossscale_jax`` does not load it.

@@ -247,6 +247,6 @@ def _scaled_step(trainer: Any, create: Callable[[Any], Any]) -> Callable[..., An
         finally:
             tracing.optimizer = None
         grad_norm = scaled_norm.astype(jnp.float32) * inverse(scale)
-        return outputs(out["loss"], out["aux"], grad_norm, optimizer)
+        return outputs(out["loss"], out["aux"], grad_norm, optimizer, scale)
 
     return train_step

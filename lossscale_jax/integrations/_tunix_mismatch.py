@@ -186,7 +186,8 @@ def _install(
     @functools.wraps(loss_fn)
     def with_mismatch(*args: Any, **kwargs: Any) -> Any:
         out = loss_fn(*args, **kwargs)
-        loss, aux = out if has_aux else (out, {})
+        loss_output = hasattr(out, "aux_metrics")  # Tunix's main branch: a LossOutput
+        loss, aux = (out, {}) if loss_output or not has_aux else out
         bound = signature.bind(*args, **kwargs).arguments
         example = bound["train_example"]
         graphdef, state = nnx.split(args[0] if args else bound["model"])
@@ -201,6 +202,8 @@ def _install(
             temperature=temperature,
         )
         extra = mismatch(logp, getattr(example, FIELD), example.completion_mask, clip)
+        if loss_output:  # its metrics travel in it, as Tunix's own do
+            return out.replace(aux_metrics={**out.aux_metrics, **extra})
         return loss, {**dict(aux), **extra}
 
     trainer.with_loss_fn(with_mismatch, has_aux=True)

@@ -79,14 +79,9 @@ def _signature(params: tuple[str, ...]) -> str:
 
 _PEFT = "tunix.sft.peft_trainer"
 _CLUSTER = "tunix.rl.rl_cluster"
-SEAMS: tuple[Seam, ...] = (
+#: The seams every release the integration takes has.
+COMMON: tuple[Seam, ...] = (
     Seam(_PEFT, "PeftTrainer", "the trainers enable() takes (SFT, and the RL trainers)"),
-    Seam(
-        _PEFT,
-        "PeftTrainer._train_step",
-        "the step enable() replaces, called with the model, the optimizer and the inputs",
-        params=("self", "model", "optimizer", "inputs"),
-    ),
     Seam(_PEFT, "PeftTrainer.create_train_step_fn", "where the trainer takes its step"),
     Seam(_PEFT, "PeftTrainer.clear_jit_cache", "the step compiled again after the swap"),
     Seam(
@@ -109,11 +104,6 @@ SEAMS: tuple[Seam, ...] = (
         "CheckpointManager.maybe_restore",
         "the loss-scaled optimizer restored from the trainer's checkpoints",
         takes=("model", "optimizer", "restore_only_lora_params"),
-    ),
-    Seam(
-        "tunix.sft.checkpoint_manager",
-        "_DEFAULT_CHECKPOINTING_OPTIONS",
-        "the checkpoint manager enable() gives the trainer, with Tunix's own options",
     ),
     Seam("tunix.rl.rl_learner", "RLLearner", "the RL learners enable() takes"),
     Seam(
@@ -155,6 +145,66 @@ SEAMS: tuple[Seam, ...] = (
     ),
 )
 
+#: google-tunix 0.1.7's step: ``_train_step(model, optimizer, inputs)``, its accumulation an
+#: ``optax.MultiSteps`` around the optimizer.
+MULTISTEPS: tuple[Seam, ...] = (
+    Seam(
+        _PEFT,
+        "PeftTrainer._train_step",
+        "the step enable() replaces, called with the model, the optimizer and the inputs",
+        params=("self", "model", "optimizer", "inputs"),
+    ),
+    Seam(
+        "tunix.sft.checkpoint_manager",
+        "_DEFAULT_CHECKPOINTING_OPTIONS",
+        "the checkpoint manager enable() gives the trainer, with Tunix's own options",
+    ),
+)
+#: Tunix's main branch (tested at commit :data:`MAIN_COMMIT`, its pyproject at 0.1.8): the step
+#: takes a gradient accumulator of Tunix's and whether the step updates (under ``nnx.cond``);
+#: a loss may return a ``LossOutput`` whose loss is a sum over tokens and its denominator.
+ACCUMULATOR: tuple[Seam, ...] = (
+    Seam(
+        _PEFT,
+        "PeftTrainer._train_step",
+        "the step enable() replaces, called with the model, the optimizer, Tunix's gradient "
+        "accumulator, the inputs and whether the step updates",
+        params=("self", "model", "optimizer", "grad_accumulator", "inputs", "is_update_step"),
+    ),
+    Seam(_PEFT, "GradientAccumulator.add", "a micro-batch's gradients added to the window"),
+    Seam(_PEFT, "GradientAccumulator.reset", "the window emptied after its update"),
+    Seam(_PEFT, "_metric_reducer", "a LossOutput's metrics buffered as Tunix buffers them"),
+    Seam(
+        _PEFT,
+        "MetricsBuffer",
+        "a LossOutput's loss buffered as Tunix buffers it (weighted)",
+        fields=("losses", "additional_metrics"),
+    ),
+    Seam(
+        "tunix.sft.utils",
+        "LossOutput",
+        "a loss returned as a sum over tokens and its count",
+        fields=("primary_loss", "aux_metrics"),
+    ),
+    Seam(
+        "tunix.sft.utils",
+        "WeightedMetric",
+        "the loss normalised before the backward pass",
+        fields=("unreduced_sum", "denominator"),
+    ),
+)
+#: The commit of Tunix's main branch the ``ACCUMULATOR`` seams were tested at.
+MAIN_COMMIT = "c7d8950"
+SEAMS: tuple[Seam, ...] = COMMON + MULTISTEPS
+
+
+def kind() -> str:
+    """Which step the installed Tunix has: ``"multisteps"`` (google-tunix 0.1.7's) or
+    ``"accumulator"`` (Tunix's main branch: a gradient accumulator of its own)."""
+    step = ACCUMULATOR[0]
+    return "accumulator" if step.problem() is None else "multisteps"
+
+
 #: What a trainer instance must hold, set by its constructor: name -> what it is for.
 TRAINER_ATTRIBUTES: dict[str, str] = {
     "model": "the model trained",
@@ -184,19 +234,22 @@ def check(found: str | None = None) -> str:
     """The installed release, if every seam is there (``IntegrationWarning`` where it was not
     tested); else ``IntegrationError`` naming each seam missing or changed."""
     found = version() if found is None else found
-    problems = [(seam, seam.problem()) for seam in SEAMS]
+    seams = COMMON + (ACCUMULATOR if kind() == "accumulator" else MULTISTEPS)
+    problems = [(seam, seam.problem()) for seam in seams]
     problems = [(seam, p) for seam, p in problems if p is not None]
     if problems:
         lines = "\n".join(f"- {p} (used for {seam.use})" for seam, p in problems)
         raise IntegrationError(
             f"lossscale_jax.integrations.tunix: google-tunix {found} lacks what the "
             f"integration relies on:\n{lines}\nIt was tested with google-tunix "
-            f"{', '.join(TESTED)}: pip install 'google-tunix=={TESTED[-1]}'."
+            f"{', '.join(TESTED)} and Tunix's main branch at {MAIN_COMMIT}: pip install "
+            f"'google-tunix=={TESTED[-1]}'."
         )
     if found not in TESTED:
         warnings.warn(
             f"lossscale_jax.integrations.tunix was tested with google-tunix "
-            f"{', '.join(TESTED)}; this environment has {found}, which has every name the "
+            f"{', '.join(TESTED)} and Tunix's main branch at {MAIN_COMMIT} (0.1.8); this "
+            f"environment has {found}, which has every name the "
             "integration relies on. Compare a short run with the float32 one.",
             IntegrationWarning,
             stacklevel=3,
@@ -205,10 +258,13 @@ def check(found: str | None = None) -> str:
 
 
 def instance_missing(trainer: Any) -> list[str]:
-    """The attributes of :data:`TRAINER_ATTRIBUTES` that ``trainer`` lacks, with their use."""
-    return [
-        f"{name} ({use})" for name, use in TRAINER_ATTRIBUTES.items() if not _has(trainer, name)
-    ]
+    """The attributes of :data:`TRAINER_ATTRIBUTES` that ``trainer`` lacks, with their use
+    (on Tunix's main branch, with its accumulator and without 0.1.7's Orbax manager)."""
+    wanted = dict(TRAINER_ATTRIBUTES)
+    if kind() == "accumulator":
+        del wanted["checkpoint_manager._checkpoint_manager"]
+        wanted["grad_accumulator"] = "Tunix's gradient accumulator, which the step fills"
+    return [f"{name} ({use})" for name, use in wanted.items() if not _has(trainer, name)]
 
 
 def _has(owner: Any, dotted: str) -> bool:

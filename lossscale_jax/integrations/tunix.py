@@ -11,21 +11,14 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from lossscale_jax.accumulation import loss_scaling_multi_steps
-from lossscale_jax.engine._landing import float16_leaves
 from lossscale_jax.engine._policy import check_policy
 from lossscale_jax.errors import IntegrationError, IntegrationWarning
-from lossscale_jax.master import master_weights
 from lossscale_jax.policies import DynamicScale, LossScalePolicy, NoScale
-from lossscale_jax.transform import loss_scaling
 
 try:
-    from flax import nnx
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl import rl_learner
     from tunix.rl import trainer as rl_trainer
@@ -38,11 +31,15 @@ except ImportError as _missing:  # the floor CI leg checks the message
 
 from lossscale_jax.flax_utils import LossScaleOptimizer
 from lossscale_jax.integrations import (
+    _tunix_accumulating_step as _accumulating,
+)
+from lossscale_jax.integrations import (
     _tunix_checkpoint,
     _tunix_lora,
     _tunix_maxtext,
     _tunix_mismatch,
     _tunix_models,
+    _tunix_optimizer,
     _tunix_seams,
 )
 from lossscale_jax.integrations._tunix_step import make_train_step, route_metrics
@@ -97,16 +94,25 @@ def enable(
     - the optimizer becomes ``lsj.LossScaleOptimizer`` around the Optax optimizer the trainer
       holds, with the trainer's ``wrt`` (``nnx.Param``, or ``nnx.LoRAParam`` under LoRA):
       ``lsj.loss_scaling(inner, policy)``, or ``loss_scaling_multi_steps(inner, policy,
-      every_k=k)`` where Tunix accumulates ``k`` micro-batches (its ``optax.MultiSteps`` is
-      unwrapped); float16 parameters get float32 masters (``lsj.master_weights``); a plain
-      optimizer state Tunix restored from a checkpoint carries over;
+      every_k=k)`` where the trainer accumulates ``k`` micro-batches (Tunix's
+      ``gradient_accumulation_steps``, or an ``optax.MultiSteps(opt, every_k_schedule=k)``
+      given as the optimizer: either ``MultiSteps`` is unwrapped, its window kept, an
+      overflowing window skipped whole; both at once, a schedule, ``use_grad_mean=False``
+      or ``should_skip_update_fn`` are refused, naming the fix); float16 parameters get
+      float32 masters (``lsj.master_weights``); a plain optimizer state Tunix restored from
+      a checkpoint carries over;
     - the train step takes the gradients of whatever loss the trainer holds when it is
       traced, scaled (``lsj.value_and_grad``), and skips an overflowing step (the parameters
-      and the optimizer's state and ``step`` unchanged, the scale backed off);
+      and the optimizer's state and ``step`` unchanged, the policy's scale adjusted);
     - the trainer logs, beside its loss: ``grad_norm`` unscaled (inf or nan on a skipped
-      step), ``loss_scale/loss_scale``, ``loss_scale/skipped``, ``loss_scale/skipped_steps``,
-      ``loss_scale/overflow_rate`` (the first skipped step also said, with why, in a log
-      line of ``lossscale_jax.integrations.tunix``); an RL learner's actor also the
+      step), ``loss_scale/scale_used`` (the scale the step's loss was multiplied by),
+      ``loss_scale/loss_scale`` (the scale after the step's adjustment: the next step's),
+      ``loss_scale/skipped``, ``loss_scale/skipped_steps``, ``loss_scale/overflow_rate``;
+      the first skipped step is also said in a log line of
+      ``lossscale_jax.integrations.tunix`` (what was not finite: the loss, or the gradients
+      and which leaf; what the policy did with its scale), and so is a run that no loss
+      scale can fix (a non-finite loss, or a scale the policy does not lower, on 3 steps in
+      a row: stuck); an RL learner's actor also the
       rollout/trainer mismatch on the sampled tokens, before any update
       (``rollout_mismatch``): ``mismatch/kl``,
       ``mismatch/abs_log_ratio``, ``mismatch/max_abs_log_ratio``,
@@ -177,15 +183,28 @@ def _targets(target: Any) -> tuple[list[Any], Any, Any]:
     """``(trainers, learner, cluster)`` of what ``enable`` was given (``None`` for those it
     was not given)."""
     if isinstance(target, rl_trainer.Trainer):
+        critic = _has_critic(_cluster_of(target))
         raise IntegrationError(
             "enable() was given one trainer of an RL cluster (a tunix.rl.trainer.Trainer): "
             "its rollout samples from the same model, and would be left computing in another "
-            "dtype. Call enable(learner, policy, critic_policy=...) on the RL learner (or "
-            "enable(cluster, ...) before the learner exists): each trainer gets a scale of "
-            "its own, the critic's from critic_policy."
+            "dtype. Call "
+            + (
+                "enable(learner, policy, critic_policy=...) on the RL learner (or "
+                "enable(cluster, ...) before the learner exists): each trainer gets a scale "
+                "of its own, the critic's from critic_policy."
+                if critic
+                else "enable(learner, policy) on the RL learner (or enable(cluster, policy) "
+                "before the learner exists)."
+            )
         )
     if isinstance(target, peft_trainer.PeftTrainer):
         return [target], None, None
+    if type(target).__module__.startswith("tunix.experimental"):
+        raise IntegrationError(
+            f"enable() does not take Tunix's experimental {type(target).__qualname__} "
+            f"({type(target).__module__}: separate forward-backward and update steps) yet: "
+            "train with tunix.sft.peft_trainer.PeftTrainer (or an RL learner) instead."
+        )
     learner = target if isinstance(target, rl_learner.RLLearner) else None
     cluster = learner.rl_cluster if learner is not None else target
     if not isinstance(cluster, rl_cluster_lib.RLCluster):
@@ -199,6 +218,30 @@ def _targets(target: Any) -> tuple[list[Any], Any, Any]:
     except AttributeError:  # no critic: RLCluster says so by raising
         pass
     return trainers, learner, cluster
+
+
+def _cluster_of(trainer: Any) -> Any:
+    """The ``RLCluster`` that built ``trainer`` (its checkpoint metadata function closes over
+    it, in google-tunix 0.1.7), or ``None`` where it cannot be found."""
+    fn = getattr(trainer, "custom_checkpoint_metadata_fn", None)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(held, rl_cluster_lib.RLCluster):
+            return held
+    return None
+
+
+def _has_critic(cluster: Any) -> bool:
+    """Whether ``cluster`` (``None``: not found) has a critic's trainer."""
+    if cluster is None:
+        return False
+    try:
+        return cluster.critic_trainer is not None
+    except AttributeError:  # no critic: RLCluster says so by raising
+        return False
 
 
 def _policies(
@@ -262,29 +305,12 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
             f"{TESTED_VERSIONS[-1]} comes with, or pass compute_dtype=None and build the "
             "model in the dtype to train in."
         )
-    inner, every_k = old.tx, trainer.config.get_with_default("gradient_accumulation_steps", 1)
-    every_k = every_k or 1
-    multi_steps = isinstance(inner, optax.MultiSteps)  # Tunix's accumulation
-    if every_k > 1 and not multi_steps:
-        raise IntegrationError(
-            f"enable(): this trainer accumulates {every_k} micro-batches "
-            "(gradient_accumulation_steps) but its optimizer is not the optax.MultiSteps "
-            "Tunix 0.1.7 wraps it in: this Tunix accumulates otherwise, and enable() would "
-            "accumulate a second time. Install a tested release (google-tunix "
-            f"{TESTED_VERSIONS[-1]})."
-        )
-    if multi_steps:
-        inner = inner.inner_opt
-    master = bool(float16_leaves(nnx.as_pure(nnx.state(trainer.model, old.wrt))))
-    if master:
-        inner = master_weights(inner)
-    if every_k > 1:
-        tx = loss_scaling_multi_steps(inner, policy, every_k=every_k)
-    else:
-        tx = loss_scaling(inner, policy)
-    new = LossScaleOptimizer(trainer.model, tx, wrt=old.wrt)
-    if not master:
-        _carry_over(old, new, multi_steps)
+    kind = _tunix_seams.kind()
+    if kind == "accumulator":
+        _check_accumulator_trainer(trainer, own_step is not None)
+    tunix_k = trainer.config.gradient_accumulation_steps  # None: unset
+    the_plan = _tunix_optimizer.plan(old.tx, tunix_k, wrapped=kind == "multisteps")
+    new = _tunix_optimizer.build(trainer.model, old, the_plan, policy, LossScaleOptimizer)
 
     def change() -> None:
         trainer.optimizer = new
@@ -292,13 +318,35 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
         if own_step is not None:
             trainer.create_train_step_fn = own_step
         else:
-            step = make_train_step(trainer)
+            make = make_train_step if kind == "multisteps" else _accumulating.make_train_step
+            step = make(trainer)
             trainer.create_train_step_fn = lambda: step
         route_metrics(trainer)
-        _tunix_checkpoint.install(trainer)
-        _tunix_checkpoint.restore(trainer, every_k)
+        if kind == "multisteps":
+            _tunix_checkpoint.install(trainer)
+            _tunix_checkpoint.restore(trainer, tunix_k or 1)
 
     return change
+
+
+def _check_accumulator_trainer(trainer: Any, maxtext: bool) -> None:
+    """Refuses, on Tunix's main branch (its own gradient accumulator), what ``enable`` does
+    not build there yet, naming it: checkpoints (Tunix's Orbax v1 checkpointer) and MaxText's
+    SFT trainer."""
+    if trainer.config.checkpoint_root_directory is not None:
+        raise IntegrationError(
+            "enable(): on this Tunix (its main branch, a gradient accumulator of its own: "
+            f"google-tunix {_tunix_seams.version()}) enable() does not yet keep the "
+            "loss-scaled optimizer in Tunix's checkpoints (its Orbax v1 checkpointer). Train "
+            "without checkpoint_root_directory, or with google-tunix "
+            f"{TESTED_VERSIONS[-1]}."
+        )
+    if maxtext:
+        raise IntegrationError(
+            "enable(): MaxText's MaxTextPeftTrainer on this Tunix (its main branch, a "
+            "gradient accumulator of its own) is not supported yet: train it with "
+            f"google-tunix {TESTED_VERSIONS[-1]}."
+        )
 
 
 def _check_own_step(trainer: Any) -> None:
@@ -314,17 +362,3 @@ def _check_own_step(trainer: Any) -> None:
                 "loss-scaled one and would drop what that override adds. Train it with "
                 "PeftTrainer's own step, or without enable()."
             )
-
-
-def _carry_over(old: Any, new: Any, multi_steps: bool) -> None:
-    """The plain optimizer's state (Tunix may have restored it from a checkpoint) into the
-    loss-scaled one's inner state, and its step, where they have the same structure."""
-    if not int(np.asarray(old.step[...])):
-        return  # a fresh optimizer: nothing to carry
-    plain = nnx.as_pure(old.opt_state)
-    plain = plain.inner_opt_state if multi_steps else plain
-    state = nnx.as_pure(new.opt_state)
-    if jax.tree_util.tree_structure(plain) != jax.tree_util.tree_structure(state.inner_state):
-        return
-    nnx.update(new.opt_state, nnx.state(state._replace(inner_state=plain)))
-    new.step[...] = old.step[...]
