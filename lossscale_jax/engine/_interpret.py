@@ -199,8 +199,8 @@ class Powers:
             carry = joined
             outs, bwd = self._run(body, fixed + carry + xs, transposed)
         else:
-            carry = [None] * carries
-            outs = [None] * n_out
+            unknown: list[_powers.Value] = [None] * n_out
+            return unknown, bwd
         return carry + outs[carries:], bwd
 
     def _while(

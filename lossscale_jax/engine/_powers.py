@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 
 Power = int | Fraction  # an int where the power is whole (most): cheap to compare
@@ -273,7 +273,7 @@ def inexact(aval: Any) -> bool:
     found = _INEXACT.get(dtype)
     if found is None:
         try:
-            found = bool(jax.dtypes.issubdtype(dtype, np.inexact))
+            found = bool(jnp.issubdtype(dtype, jnp.inexact))
         except TypeError:  # an extended dtype (a PRNG key)
             found = False
         _INEXACT[dtype] = found

@@ -36,9 +36,12 @@ try:  # JAX's internals: present in every JAX the package admits (see the docstr
     _Transform: Any = _source_info.Transform
     _trace_ctx: Any = _core.trace_ctx
     _Literal: Any = _core.Literal
+    _Jaxpr: Any = _core.Jaxpr
+    _current_name_stack: Any = _source_info.current_name_stack
+    _user_context: Any = _source_info.user_context
     from lossscale_jax.engine._jaxprs import ClosedJaxpr as _ClosedJaxpr
 
-    _PROGRAMS: tuple[type, ...] = (_core.Jaxpr, _ClosedJaxpr)
+    _PROGRAMS: tuple[type, ...] = (_Jaxpr, _ClosedJaxpr)
     _EQN_FIELDS = ("in_tracers", "outvars", "primitive", "params", "source_info")
     AVAILABLE = (
         all(name in getattr(_JitTracer, "__slots__", ()) for name in ("val", "parent"))
@@ -121,8 +124,8 @@ def replaying(eqn: Any) -> Any:
     """A context to bind an equation's primitive again (an interpreter of a jaxpr) with the
     equation's name stack, as ``jax.core.eval_jaxpr`` does: the backward pass stays marked
     ``transpose`` where the check reads it."""
-    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-    return _source_info.user_context(eqn.source_info.traceback, name_stack=stack)
+    stack = _current_name_stack() + eqn.source_info.name_stack
+    return _user_context(eqn.source_info.traceback, name_stack=stack)
 
 
 def variable(tracer: Any) -> Any | None:
@@ -172,7 +175,7 @@ def programs(eqn: Any) -> list[Any]:
 def open_jaxpr(program: Any) -> Any:
     """The jaxpr of a program (a closed jaxpr's, or the jaxpr itself)."""
     inner = getattr(program, "jaxpr", program)
-    return inner if isinstance(inner, _core.Jaxpr) else program
+    return inner if isinstance(inner, _Jaxpr) else program
 
 
 def constvars(program: Any) -> list[Any]:

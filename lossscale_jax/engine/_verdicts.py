@@ -56,7 +56,7 @@ RIGHT, AFTER, FREE, CANCELLED, LARGE, SMALL, MIXED, UNKNOWN, OUTSIDE = (
 WRONG = frozenset({FREE, CANCELLED, LARGE, SMALL, MIXED})
 
 
-def kind(alt: frozenset[tuple[Fraction, int]]) -> tuple[str, Fraction]:
+def kind(alt: _powers.Alt) -> tuple[str, _powers.Power]:
     """One alternative of a gradient: what it is, and its power."""
     if not alt:
         return RIGHT, Fraction(1)
@@ -76,9 +76,9 @@ def kind(alt: frozenset[tuple[Fraction, int]]) -> tuple[str, Fraction]:
 class Leaf:
     path: str
     verdict: str  # RIGHT, a kind of WRONG (every alternative wrong), "warn"
-    kinds: tuple[tuple[str, Fraction], ...]
+    kinds: tuple[tuple[str, _powers.Power], ...]
     backward: bool
-    powers: tuple[Fraction, ...] = ()  # every power a term of the leaf carries
+    powers: tuple[_powers.Power, ...] = ()  # every power a term of the leaf carries
     zero: bool = False  # zero in every form: right, and no sign of any scale
 
 
