@@ -381,6 +381,33 @@ def test_a_right_wiring_trains_right_and_sees_nothing(wiring, loss):
         )
 
 
+def test_wgan_gp_written_as_pytorch_amp_does():
+    # The critic's gradient with respect to its input, of the scaled critic output, unscaled
+    # by hand; the penalty (||g|| - 1)^2 added; the outer loss scaled (PyTorch AMP's recipe).
+    def critic(p, x):
+        return jnp.tanh(x @ p["w"] + p["b"]).sum(axis=1)
+
+    def objective(p, input_grad):
+        norms = jnp.sqrt(jnp.sum(input_grad**2, axis=1))
+        return jnp.mean(critic(p, X)) + 10.0 * jnp.mean((norms - 1.0) ** 2)
+
+    def grads(p, s):
+        def total(q):
+            scaled_gx = jax.grad(lambda x: lsj.scale_loss(jnp.sum(critic(q, x)), s))(X)
+            return objective(q, scaled_gx / _scale(s))
+
+        return jax.grad(lambda q: lsj.scale_loss(total(q), s))(p)
+
+    tx = lsj.loss_scaling(optax.sgd(LR), lsj.DynamicScale(init_scale=SCALE))
+    step = jax.jit(lambda p, s: tx.update(grads(p, s), s, p))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        updates, _ = step(PARAMS, tx.init(PARAMS))
+    want = jax.grad(lambda q: objective(q, jax.grad(lambda x: jnp.sum(critic(q, x)))(X)))(PARAMS)
+    for k in want:
+        np.testing.assert_allclose(updates[k], -LR * want[k], rtol=1e-4, atol=1e-6)
+
+
 # -- wrong wirings: refused or warned, with what was found ----------------------------------
 
 
