@@ -246,5 +246,5 @@ def scale_loss(loss: ArrayLike, state: Any) -> jax.Array:
     _loss_note.note(scale, loss.dtype)  # the update of this step reads it (HeadroomScale)
     tapped = jnp.asarray(tap_array(loss, "loss"))  # the identity unless taps are recorded
     scaled = tapped.astype(dtype) * scale.astype(dtype)
-    _wiring.scaled(loss, scale, scaled)  # the update of this step checks its wiring
+    _wiring.scaled(loss, scale)  # the update of this step checks its wiring
     return scaled

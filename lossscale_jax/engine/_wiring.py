@@ -182,9 +182,8 @@ def refuse_scaled_twice(grads: Any, scale: Any) -> None:
     raise WiringError(_verdicts.scaled_twice())
 
 
-def scaled(loss: Any, scale: Any, out: Any) -> None:
-    """Notes that ``scale_loss`` multiplied ``loss`` by ``scale`` into ``out``."""
-    del out
+def scaled(loss: Any, scale: Any) -> None:
+    """Notes that ``scale_loss`` multiplied ``loss`` by ``scale``."""
     frame = _tracers.current_frame()
     if frame is None:
         return
