@@ -29,7 +29,6 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # framework's package; integrations/_host imports no framework.
 OPTIONAL = {
     "lossscale_jax.integrations.tunix": "tunix",
-    "lossscale_jax.integrations._tunix": "tunix",
     "lossscale_jax.integrations.easydel": "easydel",
 }
 

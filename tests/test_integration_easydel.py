@@ -110,21 +110,31 @@ def test_enable_switches_the_compute_dtype_norms_and_loss_in_float32(tmp_path):
 
 def test_an_overflow_skips_the_window_with_the_parameters_bit_for_bit(tmp_path, caplog):
     # A scale float16 cannot hold the gradients at: every step overflows and is skipped,
-    # the whole accumulation window's update with it (2 micro-batches a step).
-    t = trainer(tmp_path, steps=2, gradient_accumulation_steps=2)
+    # the whole accumulation window's update with it (2 micro-batches a step). A static
+    # scale does not lower itself: the third skip in a row is said to be stuck.
+    t = trainer(tmp_path, steps=3, gradient_accumulation_steps=2)
     lsj_easydel.enable(t, lsj.StaticScale(2.0**40))
     before = params(t.model_state)
     with caplog.at_level(logging.WARNING, "lossscale_jax.integrations.easydel"):
         logged, state = EX.train(t)
-    assert [m["train/loss_scale/skipped"] for m in logged] == [1.0, 1.0]
-    assert logged[-1]["train/loss_scale/skipped_steps"] == 2.0
+    assert [m["train/loss_scale/skipped"] for m in logged] == [1.0, 1.0, 1.0]
+    assert logged[-1]["train/loss_scale/skipped_steps"] == 3.0
+    assert all(m["train/loss_scale/scale_used"] == 2.0**40 for m in logged)
+    assert not any(k.endswith("loss_scale/why") for m in logged for k in m)  # taken out
     assert np.isfinite(logged[-1]["train/loss"])  # the loss, in float32, is finite
     jax.tree_util.tree_map(np.testing.assert_array_equal, before, params(state))
     inner = state.opt_state.inner_state  # Adam's count: no update was applied
     counts = [c for c in jax.tree_util.tree_leaves(inner) if np.issubdtype(c.dtype, np.integer)]
     assert counts and all(int(c) == 0 for c in counts)
-    assert int(state.step) == 2  # EasyDeL's own counter counts skipped steps
-    assert caplog.text.count("skipped an optimizer step") == 1
+    assert int(state.step) == 3  # EasyDeL's own counter counts skipped steps
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("lossscale_jax")]
+    first, stuck = ours  # each said once
+    assert "the SFTTrainer skipped an optimizer step: its gradients, scaled by 1.0995116e+12," in (
+        first
+    )
+    assert "overflowed (inf or nan): the gradient of " in first  # a leaf, by its path
+    assert "stayed at 1.0995116e+12" in first and "does not lower it" in first
+    assert "its last 3 optimizer steps were all skipped" in stuck
 
 
 def test_accumulation_tracks_float32(tmp_path):

@@ -107,19 +107,69 @@ def test_the_scaled_loss_gives_the_float32_gradients_and_metrics():
     assert aux == "aux" and plain["w"].dtype == jnp.float32
     np.testing.assert_allclose(plain["w"], np.float16(1e-4), rtol=1e-3)
     np.testing.assert_allclose(grads["w"], 2.0**10 * np.float16(1e-4), rtol=1e-3)
+    used = _metrics.scale_used(opt_state)
     _, opt_state = tx.update(grads, opt_state, params)
-    got = _metrics.scale_metrics(opt_state)
+    got = _metrics.scale_metrics(opt_state, used)
     assert set(got) == {f"loss_scale/{k}" for k in _metrics.KEYS}
-    assert float(got["loss_scale/loss_scale"]) == 2.0**10
+    assert float(got["loss_scale/loss_scale"]) == float(got["loss_scale/scale_used"]) == 2.0**10
     assert not bool(got["loss_scale/skipped"])
 
 
-def test_the_first_skip_is_said_once(caplog):
-    first = _metrics.FirstSkip(logging.getLogger("host"), "the trainer")
+def _step(tx, opt_state, grads, loss):
+    """One update of ``tx``; what the step says of itself (``_metrics.why``), as a dict."""
+    params = jax.tree_util.tree_map(jnp.zeros_like, grads)
+    used = _metrics.scale_used(opt_state)
+    _, opt_state = tx.update(grads, opt_state, params)
+    return opt_state, _metrics.why(jnp.float32(loss), opt_state, used)
+
+
+def test_the_first_skip_says_which_leaf_overflowed_and_what_the_scale_did(caplog):
+    tx = lsj.loss_scaling(optax.sgd(1.0), lsj.DynamicScale(init_scale=2.0**15))
+    grads = {"a": jnp.ones(2), "b": jnp.asarray([1.0, jnp.inf])}
+    leaves = _metrics.Leaves()
+    leaves.note(grads)
+    teller = _metrics.Teller(logging.getLogger("host"), "the trainer", leaves)
+    opt_state = tx.init(grads)
     with caplog.at_level(logging.WARNING, "host"):
-        for skipped in (False, True, True):
-            first.seen(np.bool_(skipped))
+        opt_state, fine = _step(tx, opt_state, {"a": jnp.ones(2), "b": jnp.ones(2)}, 1.0)
+        assert teller.seen([fine]) is False
+        for _ in range(2):
+            opt_state, why = _step(tx, opt_state, grads, 1.0)
+            assert teller.seen([why]) is True
     assert caplog.text.count("the trainer skipped an optimizer step") == 1
+    # The scale used, the leaf by its path, the back-off by the numbers (2**15 halved).
+    assert "scaled by 32768, overflowed (inf or nan): the gradient of ['b']" in caplog.text
+    assert "backed off from 32768 to 16384" in caplog.text
+    assert "stuck" not in caplog.text  # a dynamic scale that can still go lower
+
+
+def test_a_nan_loss_under_a_static_scale_is_said_and_then_stuck(caplog):
+    tx = lsj.loss_scaling(optax.sgd(1.0), lsj.StaticScale(8.0))
+    grads = {"w": jnp.asarray([jnp.nan])}
+    teller = _metrics.Teller(logging.getLogger("host"), "the trainer")
+    opt_state = tx.init(grads)
+    with caplog.at_level(logging.WARNING, "host"):
+        for _ in range(_metrics.STUCK_AFTER + 2):
+            opt_state, why = _step(tx, opt_state, grads, jnp.nan)
+            teller.seen([why])
+    first, stuck = caplog.records  # each said once
+    assert "its loss itself was not finite" in first.getMessage()
+    assert "stayed at 8" in first.getMessage() and "backed off" not in first.getMessage()
+    assert f"its last {_metrics.STUCK_AFTER} optimizer steps were all skipped" in (
+        stuck.getMessage()
+    )
+    assert "the loss itself is not finite" in stuck.getMessage()
+
+
+def test_a_window_is_read_as_one_step():
+    # Two micro-batches: the first's loss is not finite, the second's decision is the step's.
+    tx = lsj.loss_scaling(optax.sgd(1.0), lsj.StaticScale(4.0))
+    teller = _metrics.Teller(logging.getLogger("host"), "the trainer")
+    opt_state = tx.init({"w": jnp.zeros(1)})
+    opt_state, first = _step(tx, opt_state, {"w": jnp.ones(1)}, jnp.inf)
+    _, second = _step(tx, opt_state, {"w": jnp.asarray([jnp.inf])}, 1.0)
+    assert teller.seen([first, second]) is True
+    assert teller.in_a_row == 1  # the window's loss was not finite: no scale fixes it
 
 
 def test_the_mismatch_metrics_by_hand():

@@ -29,7 +29,7 @@ if importlib.util.find_spec("tunix") is None:
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # Tunix's imports
-    from lossscale_jax.integrations import _tunix_seams
+    from lossscale_jax.integrations.tunix import _seams as _tunix_seams
 
     if _tunix_seams.kind() != "accumulator":
         pytest.skip(

@@ -41,8 +41,8 @@ with warnings.catch_warnings():
     from tunix.rl.rollout import base_rollout
     from tunix.sft import peft_trainer
 
-    from lossscale_jax.integrations import _tunix_seams
     from lossscale_jax.integrations import tunix as lsj_tunix
+    from lossscale_jax.integrations.tunix import _seams as _tunix_seams
 
 pytestmark = [pytest.mark.slow, *(pytest.mark.filterwarnings(f) for f in TUNIX_WARNINGS)]
 
@@ -391,7 +391,7 @@ def test_the_mismatch_metrics_by_hand():
 
 
 def lsj_tunix_mismatch():
-    from lossscale_jax.integrations import _tunix_mismatch
+    from lossscale_jax.integrations.tunix import _mismatch as _tunix_mismatch
 
     return _tunix_mismatch
 

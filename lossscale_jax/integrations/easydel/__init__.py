@@ -91,9 +91,14 @@ def enable(
       the whole accumulation window's (the parameters and the optimizer's state as they
       were, the scale backed off; EasyDeL's own ``step`` counts it);
     - EasyDeL logs, beside its metrics: ``max_grad_norm``, ``mean_grad_norm`` and
-      ``grad_norms`` unscaled, ``loss_scale/loss_scale``, ``loss_scale/skipped``,
-      ``loss_scale/skipped_steps``, ``loss_scale/overflow_rate`` (the first skip also said
-      in a log line of ``lossscale_jax.integrations.easydel``).
+      ``grad_norms`` unscaled, ``loss_scale/scale_used`` (the scale the step's loss was
+      multiplied by), ``loss_scale/loss_scale`` (the scale after the step's adjustment: the
+      next step's), ``loss_scale/skipped``, ``loss_scale/skipped_steps``,
+      ``loss_scale/overflow_rate``; the first skipped step is also said in a log line of
+      ``lossscale_jax.integrations.easydel`` (what was not finite: the loss, or the
+      gradients and which leaf; what the policy did with its scale), and so is a run that
+      no loss scale can fix (a non-finite loss, or a scale the policy does not lower, on 3
+      steps in a row: stuck).
 
     Args:
       trainer: a built EasyDeL trainer whose step takes its gradients EasyDeL's way (its
@@ -203,7 +208,7 @@ def _carry_over(plain: Any, scaled: Any) -> Any:
 
 def _step_change(trainer: Any) -> Change:
     """The trainer's step functions rebuilt loss-scaled by its own ``configure_functions``,
-    and the first skip said in a log line."""
+    and what a skipped step was, said in a log line."""
     module = sys.modules[type(trainer).configure_functions.__module__]
     steps = {n: f for n, f in vars(module).items() if _seams.is_step(f)}
     if not steps:
@@ -214,14 +219,17 @@ def _step_change(trainer: Any) -> Change:
             "the integration cannot give it the loss scale. Train it without enable()."
         )
 
+    leaves = _metrics.Leaves()
+
     def change() -> None:
-        scaled = {n: _step.scaled_step(f, training_utils.update_metrics) for n, f in steps.items()}
+        update = training_utils.update_metrics
+        scaled = {n: _step.scaled_step(f, update, leaves) for n, f in steps.items()}
         # The generation functions too: EasyDeL keeps those it built (for the state's old
         # graph, the model's compute dtype and the optimizer's state) unless they are unset.
         trainer.generate_function = trainer.generate_function_with_model_kwargs = None
         with _rebound(module, scaled):
             trainer._configure_functions()
-        _say_first_skip(trainer)
+        _say_what_happened(trainer, leaves)
 
     return change
 
@@ -239,15 +247,20 @@ def _rebound(module: Any, names: dict[str, Any]) -> Iterator[None]:
             setattr(module, n, f)
 
 
-def _say_first_skip(trainer: Any) -> None:
-    first = _metrics.FirstSkip(LOG, f"the {type(trainer).__name__}")
+def _say_what_happened(trainer: Any, leaves: _metrics.Leaves) -> None:
+    """The trainer's ``apply_training_hooks`` (called each step with the step's metrics,
+    which EasyDeL has already brought to the host), wrapped: what the step says of itself is
+    taken out of the metrics EasyDeL logs, and the first skipped step and a stuck run are said
+    in a log line (``_metrics.Teller``)."""
+    teller = _metrics.Teller(LOG, f"the {type(trainer).__name__}", leaves)
     hooks = trainer.apply_training_hooks
 
     def apply_training_hooks(metrics: Any) -> Any:
-        own = metrics.other_metrics or {}
-        skipped = own.get(_metrics.PREFIX + "skipped")
-        if skipped is not None:
-            first.seen(skipped)
+        own = dict(metrics.other_metrics or {})
+        why = own.pop(_step.WHY, None)
+        if why is not None:
+            teller.seen([why])
+            metrics = metrics.replace(other_metrics=own)
         return hooks(metrics=metrics)
 
     trainer.apply_training_hooks = apply_training_hooks

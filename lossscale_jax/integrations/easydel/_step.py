@@ -68,8 +68,16 @@ class _Jax(types.ModuleType):
         return _Deferred(fun, argnums, has_aux)
 
 
-def scaled_step(step: types.FunctionType, update_metrics: Callable[..., Any]) -> Any:
-    """The loss-scaled copy of the EasyDeL step function ``step`` (the module's docstring)."""
+#: The key of what the step says of itself for the log (``_metrics.why``) in its
+#: ``other_metrics``; the trainer's hook takes it out before EasyDeL logs them.
+WHY = _metrics.PREFIX + "why"
+
+
+def scaled_step(
+    step: types.FunctionType, update_metrics: Callable[..., Any], leaves: _metrics.Leaves
+) -> Any:
+    """The loss-scaled copy of the EasyDeL step function ``step`` (the module's docstring);
+    ``leaves`` notes the gradient leaves' paths when it is traced."""
     names = step.__globals__
     minibatch_call, update_state = names["minibatch_call"], names["update_state_respectfully"]
 
@@ -83,10 +91,13 @@ def scaled_step(step: types.FunctionType, update_metrics: Callable[..., Any]) ->
     def scaled_update_state(*args: Any, **kwargs: Any) -> Any:
         bound = _bind(update_state, args, kwargs)
         state, metrics = bound["state"], bound["metrics"]
+        used = _metrics.scale_used(state.opt_state)  # before the update
+        leaves.note(bound["gradients"])
         plain = _grad.unscaled(bound["gradients"], state.opt_state)
         update_metrics(metrics=metrics, learning_rate_fn=None, step=state.step, gradients=plain)
         new = update_state(**bound)
-        own = _metrics.scale_metrics(new.opt_state)
+        own = _metrics.scale_metrics(new.opt_state, used)
+        own[WHY] = _metrics.why(metrics.loss, new.opt_state, used)
         metrics.other_metrics = {**(metrics.other_metrics or {}), **own}
         return new
 

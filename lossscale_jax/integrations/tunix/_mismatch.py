@@ -36,7 +36,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
@@ -44,15 +43,9 @@ from tunix.rl import common as rl_common
 from tunix.rl import rl_cluster as rl_cluster_lib
 
 from lossscale_jax.errors import IntegrationError
+from lossscale_jax.integrations._host._mismatch import METRICS, mismatch
 
 FIELD = "rollout_per_token_logps"
-METRICS = {
-    "mismatch/kl": np.mean,
-    "mismatch/abs_log_ratio": np.mean,
-    "mismatch/max_abs_log_ratio": np.max,
-    "mismatch/clip_fraction": np.mean,
-    "mismatch/exact_fraction": np.mean,
-}
 
 
 @functools.cache
@@ -84,42 +77,6 @@ def clip_range(learner: Any) -> tuple[float, float]:
     low = getattr(config, "epsilon_low", None) or epsilon
     high = getattr(config, "epsilon_high", None) or epsilon
     return float(low), float(high)
-
-
-def mismatch(
-    logp_trainer: jax.Array,
-    logp_rollout: jax.Array,
-    mask: jax.Array,
-    clip: tuple[float, float],
-) -> dict[str, jax.Array]:
-    """The mismatch metrics over the tokens ``mask`` marks where the rollout gave a log-prob
-    (``d = logp_trainer - logp_rollout``, the log of the ratio ``r``; ``clip = (low, high)``).
-
-    ``kl``: mean(exp(d) - 1 - d), the k3 estimate of KL(rollout || trainer); ``abs_log_ratio``:
-    mean |d|; ``max_abs_log_ratio``: max |d|; ``clip_fraction``: the share with ``r < 1 - low``
-    or ``r > 1 + high`` (clipped before any update); ``exact_fraction``: the share whose
-    float32 log-probs are equal, bit for bit (``r`` exactly 1)."""
-    seen = jnp.logical_and(mask.astype(bool), jnp.isfinite(logp_rollout))
-    trainer = logp_trainer.astype(jnp.float32)
-    d = jnp.where(seen, trainer - logp_rollout, 0.0)
-    ratio = jnp.exp(d)
-    low, high = clip
-    clipped = jnp.logical_or(ratio < 1.0 - low, ratio > 1.0 + high)
-    same = jax.lax.bitcast_convert_type(trainer, jnp.int32) == jax.lax.bitcast_convert_type(
-        logp_rollout.astype(jnp.float32), jnp.int32
-    )
-    count = jnp.maximum(jnp.sum(seen), 1).astype(jnp.float32)
-
-    def share(flags: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.logical_and(seen, flags)) / count
-
-    return {
-        "mismatch/kl": jnp.sum(jnp.expm1(d) - d) / count,
-        "mismatch/abs_log_ratio": jnp.sum(jnp.abs(d)) / count,
-        "mismatch/max_abs_log_ratio": jnp.max(jnp.abs(d)),
-        "mismatch/clip_fraction": share(clipped),
-        "mismatch/exact_fraction": share(same),
-    }
 
 
 def change(learner: Any) -> Callable[[], None]:

@@ -2,21 +2,19 @@
 # (Tunix is an optional dependency: the type check runs without it installed.)
 """Tunix (``google-tunix``): its SFT and RL trainers in float16 with loss scaling, one call.
 
-``pip install "lossscale_jax[tunix]"``; Tunix loads only when this module is imported.
+``pip install "lossscale_jax[tunix]"``; Tunix loads only when this package is imported. Its
+parts are listed in ``lossscale_jax.integrations``; what they share with the other hosts is
+in ``lossscale_jax.integrations._host``.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
-from lossscale_jax.engine._policy import check_policy
-from lossscale_jax.errors import IntegrationError, IntegrationWarning
-from lossscale_jax.policies import DynamicScale, LossScalePolicy, NoScale
+from lossscale_jax.errors import IntegrationError
+from lossscale_jax.policies import LossScalePolicy
 
 try:
     from tunix.rl import rl_cluster as rl_cluster_lib
@@ -30,27 +28,25 @@ except ImportError as _missing:  # the floor CI leg checks the message
     ) from _missing
 
 from lossscale_jax.flax_utils import LossScaleOptimizer
-from lossscale_jax.integrations import (
-    _tunix_accumulating_step as _accumulating,
+from lossscale_jax.integrations._host import _changes
+from lossscale_jax.integrations._host._changes import Change
+from lossscale_jax.integrations.tunix import (
+    _accumulating_step,
+    _checkpoint,
+    _lora,
+    _maxtext,
+    _mismatch,
+    _models,
+    _optimizer,
+    _seams,
 )
-from lossscale_jax.integrations import (
-    _tunix_checkpoint,
-    _tunix_lora,
-    _tunix_maxtext,
-    _tunix_mismatch,
-    _tunix_models,
-    _tunix_optimizer,
-    _tunix_seams,
-)
-from lossscale_jax.integrations._tunix_step import make_train_step, route_metrics
+from lossscale_jax.integrations.tunix._step import make_train_step, route_metrics
 
 __all__ = ["TESTED_VERSIONS", "check_release", "enable"]
 
 #: The google-tunix releases this integration was tested with. Another release is admitted
 #: when it has every name the integration relies on (:func:`check_release`), with a warning.
-TESTED_VERSIONS: tuple[str, ...] = _tunix_seams.TESTED
-
-Change = Callable[[], None]
+TESTED_VERSIONS: tuple[str, ...] = _seams.TESTED
 
 
 def check_release(version: str | None = None) -> str:
@@ -65,7 +61,7 @@ def check_release(version: str | None = None) -> str:
     Returns:
       The release.
     """
-    return _tunix_seams.check(version)
+    return _seams.check(version)
 
 
 def enable(
@@ -154,7 +150,7 @@ def enable(
         parameters are not ``compute_dtype``, ``critic_policy`` without a critic, or
         ``rollout_mismatch=True`` without a learner.
     """
-    _tunix_seams.check()
+    _seams.check()
     trainers, learner, cluster = _targets(target)
     policies = _policies(trainers, policy, critic_policy, compute_dtype)
     if rollout_mismatch and learner is None:
@@ -164,18 +160,17 @@ def enable(
         )
     changes: list[Change] = []
     if compute_dtype is not None:
-        changes += [_tunix_models.compute_dtype_change(t.model, compute_dtype) for t in trainers]
+        changes += [_models.compute_dtype_change(t.model, compute_dtype) for t in trainers]
         if cluster is not None:
-            changes.append(_tunix_models.rollout_change(cluster, compute_dtype))
+            changes.append(_models.rollout_change(cluster, compute_dtype))
     changes += [_trainer_change(t, p) for t, p in zip(trainers, policies, strict=True)]
     if learner is not None and rollout_mismatch is not False:
-        changes.append(_tunix_mismatch.change(learner))
+        changes.append(_mismatch.change(learner))
     # Every check has passed: from here on, the changes.
     if compute_dtype is not None:
-        _tunix_models.patch_mask_constants(compute_dtype)
-    _tunix_lora.install()
-    for change in changes:
-        change()
+        _models.patch_mask_constants(compute_dtype)
+    _lora.install()
+    _changes.apply(changes)
     return target
 
 
@@ -258,31 +253,19 @@ def _policies(
             "critic trainer: pass policy alone."
         )
     if compute_dtype is None:  # the models as built: the actor's (or the trainer's) dtype
-        compute_dtype = _tunix_models.compute_dtype_of(trainers[0].model)
-    float16 = compute_dtype is None or np.dtype(compute_dtype) == np.float16
-    if policy is None:
-        policy = DynamicScale() if float16 else NoScale(skip_on_overflow=True)
-    policy = check_policy(policy, "policy")
-    critic_policy = (
-        policy if critic_policy is None else check_policy(critic_policy, "critic_policy")
-    )
-    scaled = [p for p in {policy, critic_policy} if p.constant_scale != 1.0]
-    if not float16 and scaled:
-        warnings.warn(
-            f"enable(..., compute_dtype={np.dtype(compute_dtype).name}) was given a loss "
-            f"scale ({type(scaled[0]).__name__}): {np.dtype(compute_dtype).name} has "
-            "float32's range and needs none. It is applied as given; leave policy out (no "
-            "loss scale, a non-finite step still skipped) unless you want it.",
-            IntegrationWarning,
-            stacklevel=3,
-        )
+        compute_dtype = _models.compute_dtype_of(trainers[0].model)
+    policy = _changes.default_policy(policy, compute_dtype)
+    if critic_policy is not None:
+        critic_policy = _changes.default_policy(critic_policy, compute_dtype, "critic_policy")
+    else:
+        critic_policy = policy
     return [policy, critic_policy][: len(trainers)]
 
 
 def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
     """The loss-scaled optimizer, step, metrics and checkpoints of ``trainer``, checked and
     built now, installed when the change is made."""
-    missing = _tunix_seams.instance_missing(trainer)
+    missing = _seams.instance_missing(trainer)
     if missing:
         raise IntegrationError(
             f"enable(): this {type(trainer).__name__} lacks what the integration relies on: "
@@ -294,23 +277,23 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
             "enable(): this trainer's optimizer is already loss-scaled (enable() was called "
             "on it before); call it once per trainer."
         )
-    own_step = _tunix_maxtext.own_step(trainer, peft_trainer.PeftTrainer)  # MaxText's, kept
+    own_step = _maxtext.own_step(trainer, peft_trainer.PeftTrainer)  # MaxText's, kept
     if own_step is None:
         _check_own_step(trainer)
-    if trainer._lora_enabled and _tunix_lora.missing():
+    if trainer._lora_enabled and _lora.missing():
         raise IntegrationError(
             "enable(): this trainer trains a LoRA, and the qwix installed lacks what the "
             "integration needs to compute it in the model's compute dtype: "
-            f"{', '.join(_tunix_lora.missing())}. Install the qwix google-tunix "
+            f"{', '.join(_lora.missing())}. Install the qwix google-tunix "
             f"{TESTED_VERSIONS[-1]} comes with, or pass compute_dtype=None and build the "
             "model in the dtype to train in."
         )
-    kind = _tunix_seams.kind()
+    kind = _seams.kind()
     if kind == "accumulator":
         _check_accumulator_trainer(trainer, own_step is not None)
     tunix_k = trainer.config.gradient_accumulation_steps  # None: unset
-    the_plan = _tunix_optimizer.plan(old.tx, tunix_k, wrapped=kind == "multisteps")
-    new = _tunix_optimizer.build(trainer.model, old, the_plan, policy, LossScaleOptimizer)
+    the_plan = _optimizer.plan(old.tx, tunix_k, wrapped=kind == "multisteps")
+    new = _optimizer.build(trainer.model, old, the_plan, policy, LossScaleOptimizer)
 
     def change() -> None:
         trainer.optimizer = new
@@ -318,13 +301,13 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
         if own_step is not None:
             trainer.create_train_step_fn = own_step
         else:
-            make = make_train_step if kind == "multisteps" else _accumulating.make_train_step
+            make = make_train_step if kind == "multisteps" else _accumulating_step.make_train_step
             step = make(trainer)
             trainer.create_train_step_fn = lambda: step
         route_metrics(trainer)
         if kind == "multisteps":
-            _tunix_checkpoint.install(trainer)
-            _tunix_checkpoint.restore(trainer, tunix_k or 1)
+            _checkpoint.install(trainer)
+            _checkpoint.restore(trainer, tunix_k or 1)
 
     return change
 
@@ -336,7 +319,7 @@ def _check_accumulator_trainer(trainer: Any, maxtext: bool) -> None:
     if trainer.config.checkpoint_root_directory is not None:
         raise IntegrationError(
             "enable(): on this Tunix (its main branch, a gradient accumulator of its own: "
-            f"google-tunix {_tunix_seams.version()}) enable() does not yet keep the "
+            f"google-tunix {_seams.version()}) enable() does not yet keep the "
             "loss-scaled optimizer in Tunix's checkpoints (its Orbax v1 checkpointer). Train "
             "without checkpoint_root_directory, or with google-tunix "
             f"{TESTED_VERSIONS[-1]}."

@@ -12,7 +12,7 @@ patch keeps the old constant, so JAX's caches are cleared when it changes.
 Qwen2, Qwen3 (0.1.7) and Gemma4 compute in ``config.dtype`` with float32 parameters;
 :func:`compute_dtype_change` switches a built one (its submodules copied ``config.dtype``
 when they were built). MaxText's (its Transformer, or the TunixMaxTextAdapter around it)
-compute in their own read-only config's dtype: ``_tunix_maxtext`` switches them as MaxText
+compute in their own read-only config's dtype: ``_maxtext`` switches them as MaxText
 builds them. The other models compute in their parameters' dtype. An RL cluster's
 vanilla rollout samples from the actor's own variables through a graph it took when it was
 built: :func:`rollout_change` gives it the switched one. Each returns the change to make,
@@ -31,7 +31,8 @@ import numpy as np
 from flax import nnx
 
 from lossscale_jax.errors import IntegrationError
-from lossscale_jax.integrations import _tunix_maxtext
+from lossscale_jax.integrations._host import _dtype
+from lossscale_jax.integrations.tunix import _maxtext
 
 _MODELS = "tunix.models."
 
@@ -57,12 +58,12 @@ def compute_dtype_change(model: Any, dtype: Any) -> Callable[[], None]:
     floating parameters must already be ``dtype`` (it computes in them) and nothing changes.
     Raises ``IntegrationError`` (having changed nothing) where neither holds."""
     dtype = np.dtype(dtype)
-    maxtext = _tunix_maxtext.compute_dtype_change(model, dtype)  # MaxText's: its own config
+    maxtext = _maxtext.compute_dtype_change(model, dtype)  # MaxText's: its own config
     if maxtext is not None:
         return maxtext
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "dtype"):
-        modules = [m for _, m in nnx.iter_graph(model) if _computes_in_own_dtype(m)]
+        modules = _dtype.own_dtype_modules(model)  # norms too: Tunix's upcast inside
 
         def change() -> None:
             for module in modules:
@@ -70,7 +71,7 @@ def compute_dtype_change(model: Any, dtype: Any) -> Callable[[], None]:
             config.dtype = dtype
 
         return change
-    kinds = {np.dtype(p.dtype) for p in _float_params(model)}
+    kinds = {np.dtype(p.dtype) for p in _dtype.float_params(model)}
     if kinds != {dtype}:
         raise IntegrationError(
             f"lossscale_jax.integrations.tunix: {type(model).__name__} has no compute dtype "
@@ -86,24 +87,14 @@ def compute_dtype_change(model: Any, dtype: Any) -> Callable[[], None]:
 def compute_dtype_of(model: Any) -> np.dtype | None:
     """The dtype ``model`` computes in: its ``config.dtype``, else its floating parameters'
     one dtype (``None``: not known); a MaxText model's, its config's."""
-    maxtext = _tunix_maxtext.compute_dtype_of(model)
+    maxtext = _maxtext.compute_dtype_of(model)
     if maxtext is not None:
         return maxtext
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "dtype", None) is not None:
         return np.dtype(config.dtype)
-    kinds = {np.dtype(p.dtype) for p in _float_params(model)}
+    kinds = {np.dtype(p.dtype) for p in _dtype.float_params(model)}
     return kinds.pop() if len(kinds) == 1 else None
-
-
-def _computes_in_own_dtype(module: Any) -> bool:
-    own = getattr(module, "dtype", None) if isinstance(module, nnx.Module) else None
-    return own is not None and jnp.issubdtype(own, jnp.floating)
-
-
-def _float_params(model: Any) -> list[Any]:
-    state = nnx.state(model, nnx.Param)
-    return [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
 
 
 def rollout_change(cluster: Any, dtype: Any) -> Callable[[], None]:

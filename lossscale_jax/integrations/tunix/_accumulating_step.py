@@ -1,7 +1,7 @@
 # pyright: reportMissingImports=false
 # (Tunix is an optional dependency: the type check runs without it installed.)
 """The train step ``enable`` gives a trainer of Tunix's main branch (a gradient accumulator
-of Tunix's own; :data:`_tunix_seams.MAIN_COMMIT` tested).
+of Tunix's own; :data:`_seams.MAIN_COMMIT` tested).
 
 There the step is ``_train_step(model, optimizer, grad_accumulator, inputs, is_update_step)``
 (``nnx.jit`` donates the optimizer and the accumulator). Without accumulation it updates
@@ -38,9 +38,9 @@ from flax import nnx
 from jax.interpreters import pxla
 from tunix.sft import utils as tunix_utils
 
-from lossscale_jax.access._access import get_loss_scale_state
 from lossscale_jax.gradients import unscaled_global_norm, value_and_grad
-from lossscale_jax.integrations._tunix_step import Leaves, outputs
+from lossscale_jax.integrations._host import _metrics
+from lossscale_jax.integrations.tunix._step import outputs
 
 
 def depth_one(trainer: Any) -> bool:
@@ -55,7 +55,7 @@ def depth_one(trainer: Any) -> bool:
 def make_train_step(trainer: Any) -> Callable[..., tuple[Any, Any, Any]]:
     """The loss-scaled ``(model, optimizer, grad_accumulator, inputs, is_update_step) ->
     (loss, aux, grad_norm)`` of ``trainer``."""
-    leaves = Leaves()
+    leaves = _metrics.Leaves()
 
     def train_step(
         model: Any, optimizer: Any, grad_accumulator: Any, inputs: Any, is_update_step: Any
@@ -72,9 +72,9 @@ def make_train_step(trainer: Any) -> Callable[..., tuple[Any, Any, Any]]:
 
         argnums = nnx.DiffState(0, nnx.LoRAParam) if trainer._lora_enabled else 0
         grad_fn = value_and_grad(diff_fn, optimizer, argnums=argnums, has_aux=True)
-        scale = get_loss_scale_state(nnx.as_pure(optimizer.opt_state)).scale  # before update
+        scale = _metrics.scale_used(nnx.as_pure(optimizer.opt_state))  # before the update
         (loss, aux), grads = grad_fn(model, **inputs)
-        leaves.note(grads)
+        leaves.note(nnx.as_pure(grads))
         if depth_one(trainer):
             grad_norm = unscaled_global_norm(grads, optimizer)
             optimizer.update(model, grads)

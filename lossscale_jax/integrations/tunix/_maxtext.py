@@ -49,7 +49,7 @@ from flax import nnx
 from lossscale_jax.access._access import get_loss_scale_state, scale_loss
 from lossscale_jax.engine._unscale import inverse
 from lossscale_jax.errors import IntegrationError
-from lossscale_jax.integrations._tunix_step import outputs
+from lossscale_jax.integrations.tunix._step import outputs
 
 Change = Callable[[], None]
 
@@ -223,7 +223,7 @@ class _Tracing:
 
 def _scaled_step(trainer: Any, create: Callable[[Any], Any]) -> Callable[..., Any]:
     """MaxText's step, built by its own ``create`` with the trainer's loss scaled; the step
-    returns ``(loss, aux, grad_norm)`` unscaled, aux as ``_tunix_step.outputs`` packs it."""
+    returns ``(loss, aux, grad_norm)`` unscaled, aux as ``_step.outputs`` packs it."""
     plain, has_aux = trainer.loss_fn, trainer._has_aux
     tracing = _Tracing()
 
