@@ -1,4 +1,4 @@
-"""Trainers that own their step: one module per framework, each an optional dependency.
+"""Trainers that own their step: a folder per framework, each an optional dependency.
 
 A framework whose trainer computes ``grad(loss)`` and applies the update itself has no place
 for ``lsj.scale_loss`` between the two. An integration gives it one with the least of the
