@@ -114,8 +114,11 @@ def dataset(rows: int = 64, seed: int = 0) -> Any:
     )
 
 
-def sft_trainer(model: Any, steps: int, directory: str, **config: Any) -> Any:
-    """EasyDeL's ``SFTTrainer`` over :func:`dataset`, ``steps`` steps, no saves."""
+def sft_trainer(
+    model: Any, steps: int, directory: str, data: Any = None, **config: Any
+) -> Any:
+    """EasyDeL's ``SFTTrainer`` over ``data`` (default :func:`dataset`), ``steps``
+    steps, no saves; ``config``: more of its ``SFTConfig``."""
     arguments = ed.SFTConfig(
         **{
             "max_length": LENGTH,
@@ -138,7 +141,7 @@ def sft_trainer(model: Any, steps: int, directory: str, **config: Any) -> Any:
         arguments=arguments,
         processing_class=tokenizer(),
         model=model,
-        train_dataset=dataset(),
+        train_dataset=dataset() if data is None else data,
     )
 
 

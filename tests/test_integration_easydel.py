@@ -137,6 +137,50 @@ def test_an_overflow_skips_the_window_with_the_parameters_bit_for_bit(tmp_path, 
     assert "its last 3 optimizer steps were all skipped" in stuck
 
 
+def test_one_micro_batch_with_an_inf_skips_its_whole_window(tmp_path, caplog):
+    # Token VOCAB (the data never holds it) gets an embedding of 1e6, inf in float16 compute;
+    # one row of the second window holds it (no shuffle; EasyDeL's window: 2 micro-batches of
+    # total_batch_size rows, 8 rows). That window's loss is nan (EasyDeL's break_on_nan off, or EasyDeL
+    # itself stops the run) and its update is skipped whole: the parameters after it bit for
+    # bit as after the first window, Adam's count 1.
+    rows = EX.dataset().to_list()
+    rows[2 * EX.BATCH + 1]["input_ids"][3] = EX.VOCAB
+    model = EX.tiny_llama()
+    embed = model.model.embed_tokens.embedding
+    embed.value = embed.value.at[EX.VOCAB].set(1e6)
+    t = EX.sft_trainer(
+        model,
+        2,
+        str(tmp_path),
+        type(EX.dataset()).from_list(rows),
+        gradient_accumulation_steps=2,
+        shuffle_train_dataset=False,
+        loss_config={"break_on_nan": False},
+    )
+    lsj_easydel.enable(t)
+    seen = []
+    hook = t.on_step_end
+
+    def on_step_end(state, metrics, step):
+        seen.append(params(state))
+        return hook(state=state, metrics=metrics, step=step)
+
+    t.on_step_end = on_step_end
+    with caplog.at_level(logging.WARNING, "lossscale_jax.integrations.easydel"):
+        logged, state = EX.train(t)
+    assert [m["train/loss_scale/skipped"] for m in logged] == [0.0, 1.0]
+    assert np.isfinite(logged[0]["train/loss"]) and not np.isfinite(logged[1]["train/loss"])
+    jax.tree_util.tree_map(np.testing.assert_array_equal, seen[0], seen[1])
+    inner = state.opt_state.inner_state
+    counts = [c for c in jax.tree_util.tree_leaves(inner) if np.issubdtype(c.dtype, np.integer)]
+    assert counts and all(int(c) == 1 for c in counts)
+    # The dynamic scale backed off (2^15 to 2^14), which the line says cannot help a nan loss.
+    assert [m["train/loss_scale/loss_scale"] for m in logged] == [2.0**15, 2.0**14]
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("lossscale_jax")]
+    assert len(ours) == 1 and "its loss itself was not finite" in ours[0]
+    assert "backed off from 32768 to 16384" in ours[0] and "cannot help" in ours[0]
+
+
 def test_accumulation_tracks_float32(tmp_path):
     # EasyDeL accumulates in its step (a lax.scan over micro-batches): each scaled, summed,
     # one update; against stock float32 with the same window.
