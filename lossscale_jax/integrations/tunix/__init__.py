@@ -305,25 +305,15 @@ def _trainer_change(trainer: Any, policy: LossScalePolicy) -> Change:
             step = make(trainer)
             trainer.create_train_step_fn = lambda: step
         route_metrics(trainer)
-        if kind == "multisteps":
-            _checkpoint.install(trainer)
-            _checkpoint.restore(trainer, tunix_k or 1)
+        _checkpoint.install(trainer, v1=kind == "accumulator")
+        _checkpoint.restore(trainer, tunix_k or 1)
 
     return change
 
 
 def _check_accumulator_trainer(trainer: Any, maxtext: bool) -> None:
     """Refuses, on Tunix's main branch (its own gradient accumulator), what ``enable`` does
-    not build there yet, naming it: checkpoints (Tunix's Orbax v1 checkpointer) and MaxText's
-    SFT trainer."""
-    if trainer.config.checkpoint_root_directory is not None:
-        raise IntegrationError(
-            "enable(): on this Tunix (its main branch, a gradient accumulator of its own: "
-            f"google-tunix {_seams.version()}) enable() does not yet keep the "
-            "loss-scaled optimizer in Tunix's checkpoints (its Orbax v1 checkpointer). Train "
-            "without checkpoint_root_directory, or with google-tunix "
-            f"{TESTED_VERSIONS[-1]}."
-        )
+    not build there yet, naming it: MaxText's SFT trainer."""
     if maxtext:
         raise IntegrationError(
             "enable(): MaxText's MaxTextPeftTrainer on this Tunix (its main branch, a "

@@ -187,6 +187,13 @@ ACCUMULATOR: tuple[Seam, ...] = (
         fields=("primary_loss", "aux_metrics"),
     ),
     Seam(
+        "tunix.sft.checkpoint_manager",
+        "CheckpointManager",
+        "the checkpoint manager enable() gives the trainer (its Orbax v1 checkpointer "
+        "wrapped: the loss-scaled optimizer saved under a name of its own)",
+        takes=("root_directory", "options"),
+    ),
+    Seam(
         "tunix.sft.utils",
         "WeightedMetric",
         "the loss normalised before the backward pass",
