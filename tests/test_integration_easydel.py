@@ -138,11 +138,11 @@ def test_an_overflow_skips_the_window_with_the_parameters_bit_for_bit(tmp_path, 
 
 
 def test_one_micro_batch_with_an_inf_skips_its_whole_window(tmp_path, caplog):
-    # Token VOCAB (the data never holds it) gets an embedding of 1e6, inf in float16 compute;
-    # one row of the second window holds it (no shuffle; EasyDeL's window: 2 micro-batches of
-    # total_batch_size rows, 8 rows). That window's loss is nan (EasyDeL's break_on_nan off, or EasyDeL
-    # itself stops the run) and its update is skipped whole: the parameters after it bit for
-    # bit as after the first window, Adam's count 1.
+    # Token VOCAB (the data never holds it) gets an embedding of 1e6, inf in float16
+    # compute; one row of the second window holds it (no shuffle; EasyDeL's window: 2
+    # micro-batches of total_batch_size rows, 8 rows). That window's loss is nan (EasyDeL's
+    # break_on_nan off, or EasyDeL itself stops the run) and its update is skipped whole: the
+    # parameters after it bit for bit as after the first window, Adam's count 1.
     rows = EX.dataset().to_list()
     rows[2 * EX.BATCH + 1]["input_ids"][3] = EX.VOCAB
     model = EX.tiny_llama()
@@ -227,6 +227,64 @@ def test_float16_parameters_get_float32_masters(tmp_path):
     assert {m.dtype for m in masters} == {np.dtype(np.float32)}
     for p, m in zip(params16, masters, strict=True):
         np.testing.assert_array_equal(np.asarray(p), np.asarray(m).astype(np.float16))
+
+
+def dpo_trainer(tmp_path, dtype=jnp.float32, steps=3):
+    """EasyDeL's DPOTrainer on the example's tiny Llama (its reference model a copy of the
+    policy, as built) over random 4-word prompts and 4-word chosen and rejected replies."""
+    rng = np.random.default_rng(0)
+
+    def words(n):
+        return " ".join(f"t{int(t)}" for t in rng.integers(0, EX.VOCAB, n))
+
+    rows = [
+        {"prompt": words(4), "chosen": " " + words(4), "rejected": " " + words(4)}
+        for _ in range(32)
+    ]
+    arguments = EX.ed.DPOConfig(
+        max_length=16,
+        max_prompt_length=8,
+        max_completion_length=8,
+        total_batch_size=4,
+        learning_rate=1e-3,
+        max_training_steps=steps,
+        num_train_epochs=1,
+        do_last_save=False,
+        save_steps=None,
+        use_wandb=False,
+        report_steps=1,
+        log_steps=1,
+        save_directory=str(tmp_path),
+    )
+    return EX.ed.DPOTrainer(
+        arguments=arguments,
+        model=EX.tiny_llama(dtype),
+        reference_model=EX.tiny_llama(dtype),
+        processing_class=EX.tokenizer(),
+        train_dataset=type(EX.dataset()).from_list(rows),
+    )
+
+
+@pytest.mark.skipif(
+    jax.device_count() > 1,
+    reason="stock EasyDeL 0.3.0's DPO fails on a multi-device CPU mesh, in float32 without "
+    "enable() too (its batch on one device, its state on all: 'Received incompatible devices "
+    "for jitted computation'); make test-easydel runs this test on one device",
+)
+def test_dpo_tracks_float32(tmp_path):
+    # DPO's step takes its gradients through the same seam as SFT's. Its reference model
+    # stays as built (float32): at step 1 the policy equals it, the loss log 2 in float32,
+    # float16 compute's log-probs off by its rounding.
+    f32, _ = EX.train(dpo_trainer(tmp_path / "a"))
+    f16, _ = EX.train(lsj_easydel.enable(dpo_trainer(tmp_path / "b")))
+    assert len(f32) == len(f16) == 3
+    assert f32[0]["train/loss"] == pytest.approx(np.log(2.0), rel=1e-6)
+    for a, b in zip(f32, f16, strict=True):
+        assert abs(b["train/loss"] - a["train/loss"]) < 1e-4 * a["train/loss"]  # ~2e-5
+        norm32, norm16 = a["train/train/max_grad_norm"], b["train/train/max_grad_norm"]
+        assert abs(norm16 - norm32) < 0.02 * norm32  # unscaled
+        assert b["train/loss_scale/skipped"] == 0.0
+        assert b["train/loss_scale/scale_used"] == 2.0**15
 
 
 def grpo_trainer(tmp_path, steps=2):
