@@ -114,6 +114,22 @@ def dataset(rows: int = 64, seed: int = 0) -> Any:
     )
 
 
+def run_arguments(steps: int, directory: str) -> dict[str, Any]:
+    """What every trainer's config here takes: ``steps`` steps, a log line each, no
+    saves, no wandb."""
+    return {
+        "learning_rate": 1e-3,
+        "max_training_steps": steps,
+        "num_train_epochs": 1,
+        "do_last_save": False,
+        "save_steps": None,
+        "use_wandb": False,
+        "report_steps": 1,
+        "log_steps": 1,
+        "save_directory": directory,
+    }
+
+
 def sft_trainer(
     model: Any, steps: int, directory: str, data: Any = None, **config: Any
 ) -> Any:
@@ -123,17 +139,9 @@ def sft_trainer(
         **{
             "max_length": LENGTH,
             "total_batch_size": BATCH,
-            "learning_rate": 1e-3,
-            "max_training_steps": steps,
-            "num_train_epochs": 1,
-            "do_last_save": False,
-            "save_steps": None,
-            "use_wandb": False,
-            "report_steps": 1,
-            "log_steps": 1,
             "packing": False,
             "dataset_text_field": None,
-            "save_directory": directory,
+            **run_arguments(steps, directory),
             **config,
         }
     )

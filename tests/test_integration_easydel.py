@@ -246,15 +246,7 @@ def dpo_trainer(tmp_path, dtype=jnp.float32, steps=3):
         max_prompt_length=8,
         max_completion_length=8,
         total_batch_size=4,
-        learning_rate=1e-3,
-        max_training_steps=steps,
-        num_train_epochs=1,
-        do_last_save=False,
-        save_steps=None,
-        use_wandb=False,
-        report_steps=1,
-        log_steps=1,
-        save_directory=str(tmp_path),
+        **EX.run_arguments(steps, str(tmp_path)),
     )
     return EX.ed.DPOTrainer(
         arguments=arguments,
@@ -307,17 +299,9 @@ def grpo_trainer(tmp_path, steps=2):
         max_completion_length=8,
         total_batch_size=2,
         num_return_sequences=2,
-        learning_rate=1e-3,
-        max_training_steps=steps,
-        num_train_epochs=1,
-        do_last_save=False,
-        save_steps=None,
-        use_wandb=False,
-        report_steps=1,
-        log_steps=1,
         use_esurge_generation=False,
         skip_apply_chat_template=True,
-        save_directory=str(tmp_path),
+        **EX.run_arguments(steps, str(tmp_path)),
     )
     data = EX.Dataset.from_list([{"prompt": p} for p in prompts])
     return EX.ed.GRPOTrainer(

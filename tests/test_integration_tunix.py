@@ -391,6 +391,13 @@ RESUME = textwrap.dedent(
 
 
 def test_a_checkpoint_resumes_in_a_fresh_process_bit_for_bit(tmp_path):
+    resumes_bit_for_bit(tmp_path)
+
+
+def resumes_bit_for_bit(tmp_path):
+    """4 steps with checkpoints, then a fresh process that builds the run again and calls
+    enable(): steps 5-8 as one run of 8 has them, bit for bit (the installed Tunix's
+    checkpointer, whichever it is)."""
     policy = lsj.DynamicScale(init_scale=2.0**10, growth_interval=2)
     whole = sft(jnp.float16, steps=8, policy=policy, bad=(3,))
     first = sft(jnp.float16, steps=4, policy=policy, bad=(3,), root=str(tmp_path))
@@ -410,6 +417,11 @@ def test_a_checkpoint_resumes_in_a_fresh_process_bit_for_bit(tmp_path):
 
 
 def test_a_stock_checkpoint_carries_its_optimizer_over(tmp_path):
+    stock_checkpoint_carries_over(tmp_path)
+
+
+def stock_checkpoint_carries_over(tmp_path):
+    """A stock float32 checkpoint's optimizer state becomes the loss-scaled one's inner."""
     stock = sft(jnp.float32, enable=False, steps=2, root=str(tmp_path))
     plain = nnx.as_pure(stock.optimizer.opt_state)
     trainer = sft(jnp.float16, steps=2, root=str(tmp_path))  # restores step 2, then enable()

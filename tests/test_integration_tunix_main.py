@@ -14,16 +14,12 @@ it moves them), and a loss whose sum runs over 1000 times the tokens with the sa
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT  # tests/ is on sys.path under pytest
 
 import lossscale_jax as lsj
 from lossscale_jax.errors import IntegrationError, IntegrationWarning
@@ -45,13 +41,14 @@ with warnings.catch_warnings():
     from flax import nnx
     from test_integration_tunix import (
         EX,
-        RESUME,
         SIZE,
         TUNIX_WARNINGS,
         history,
         loss_with_fault,
         multi_steps,
+        resumes_bit_for_bit,
         sft,
+        stock_checkpoint_carries_over,
     )
     from test_integration_tunix_rl import make_cluster, rl_history, train
     from tunix.rl import utils as rl_utils
@@ -181,26 +178,8 @@ def test_lora_and_a_users_own_window():
 def test_a_checkpoint_resumes_in_a_fresh_process_bit_for_bit(tmp_path):
     # Tunix's Orbax v1 checkpointer: the loss-scaled optimizer's state saved under a name of
     # its own, which the next run's constructor leaves alone and enable() restores.
-    policy = lsj.DynamicScale(init_scale=2.0**10, growth_interval=2)
-    whole = sft(jnp.float16, steps=8, policy=policy, bad=(3,))
-    first = sft(jnp.float16, steps=4, policy=policy, bad=(3,), root=str(tmp_path))
-    assert history(first, "loss") == history(whole, "loss")[:4]
-    code = RESUME.format(tests=str(ROOT / "tests"), root=str(tmp_path))
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout
-    resumed = json.loads(out.strip().splitlines()[-1])
-    assert resumed["loss"] == history(whole, "loss")[4:]  # steps 5-8, bit for bit
-    assert resumed["scale"] == history(whole, "loss_scale/loss_scale")[4:]
-    assert resumed["step"] == int(whole.optimizer.step[...]) <= 7  # the fault skipped
-    want = jax.tree_util.tree_map(lambda a: np.asarray(a).tolist(), params(whole))
-    assert resumed["params"] == json.loads(json.dumps(want))  # JSON's keys are strings
+    resumes_bit_for_bit(tmp_path)
 
 
 def test_a_stock_checkpoint_carries_its_optimizer_over(tmp_path):
-    stock = sft(jnp.float32, enable=False, steps=2, root=str(tmp_path))
-    plain = nnx.as_pure(stock.optimizer.opt_state)
-    trainer = sft(jnp.float16, steps=2, root=str(tmp_path))  # restores step 2, then enable()
-    assert trainer.train_steps == 2 and int(trainer.optimizer.step[...]) == 2
-    inner = nnx.as_pure(trainer.optimizer.opt_state).inner_state
-    jax.tree_util.tree_map(np.testing.assert_array_equal, inner, plain)
+    stock_checkpoint_carries_over(tmp_path)
