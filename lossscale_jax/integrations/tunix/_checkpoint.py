@@ -89,9 +89,7 @@ class _RenamedV1:
         renamed = _renamed_items(checkpointables, TUNIX_ITEM, ITEM)
         return self._checkpointer.save_checkpointables(step, renamed, **kwargs)
 
-    def save_checkpointables_async(
-        self, step: int, checkpointables: Any, **kwargs: Any
-    ) -> Any:
+    def save_checkpointables_async(self, step: int, checkpointables: Any, **kwargs: Any) -> Any:
         renamed = _renamed_items(checkpointables, TUNIX_ITEM, ITEM)
         return self._checkpointer.save_checkpointables_async(step, renamed, **kwargs)
 
