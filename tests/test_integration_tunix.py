@@ -444,3 +444,23 @@ def test_what_enable_refuses():
         lsj_tunix.enable(object())
     with pytest.raises(IntegrationError, match="needs the RL learner"):
         lsj_tunix.enable(sft(jnp.float16, enable=False, steps=1), rollout_mismatch=True)
+
+
+def test_the_first_step_benchmark_runs_both_trainers_in_fresh_processes(tmp_path):
+    # benchmarks/bench_tunix_first_step.py at its smoke size: a row per variant and round,
+    # each with a first step and a later one, and the ratios of the two. Nothing is timed
+    # against a bar here.
+    out = tmp_path / "first_step.json"
+    script = ROOT / "benchmarks" / "bench_tunix_first_step.py"
+    subprocess.run(
+        [sys.executable, str(script), "--width", "32", "--rounds", "1", "--json", str(out)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    doc = json.loads(out.read_text())
+    assert [r["variant"] for r in doc["rows"]] == ["stock", "enabled"]
+    for row in doc["rows"]:
+        assert row["first_step_s"] > row["later_step_s"] > 0  # the first one compiles
+    assert set(doc["ratios"]) == {"first_step_s", "later_step_s"}
+    assert all(r > 0 for r in doc["ratios"].values())
