@@ -7,6 +7,7 @@ loss wrapper and the metrics.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import jax
@@ -91,6 +92,18 @@ def test_the_default_policy_follows_the_compute_dtype():
         assert isinstance(policy, lsj.NoScale) and policy.constant_scale == 1.0
     with pytest.warns(IntegrationWarning, match="bfloat16 has float32's range"):
         _changes.default_policy(lsj.StaticScale(8.0), jnp.bfloat16)
+
+
+def enable(policy, dtype, stacklevel=3):
+    """A host's enable(), as the hosts call default_policy (directly, stacklevel 3)."""
+    return _changes.default_policy(policy, dtype, stacklevel=stacklevel)
+
+
+def test_the_warning_points_at_the_line_that_called_enable():
+    with pytest.warns(IntegrationWarning) as got:
+        line = inspect.currentframe().f_lineno + 1
+        enable(lsj.StaticScale(8.0), jnp.bfloat16)
+    assert (got[0].filename, got[0].lineno) == (__file__, line)
 
 
 def test_the_scaled_loss_gives_the_float32_gradients_and_metrics():

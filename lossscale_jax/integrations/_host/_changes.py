@@ -39,11 +39,15 @@ def refuse_twice(target: Any, host: str) -> Change:
 
 
 def default_policy(
-    policy: LossScalePolicy | None, compute_dtype: Any, name: str = "policy"
+    policy: LossScalePolicy | None,
+    compute_dtype: Any,
+    name: str = "policy",
+    stacklevel: int = 3,
 ) -> LossScalePolicy:
     """``policy``, checked; by default ``DynamicScale()`` for float16 compute (or unknown),
     ``NoScale(skip_on_overflow=True)`` for bfloat16 and float32 (no scale: their range is
-    float32's; a non-finite step still skipped). A scale given for those warns."""
+    float32's; a non-finite step still skipped). A scale given for those warns, at the
+    caller ``stacklevel`` frames up (3: the caller of the function that called this one)."""
     float16 = compute_dtype is None or np.dtype(compute_dtype) == np.float16
     if policy is None:
         return DynamicScale() if float16 else NoScale(skip_on_overflow=True)
@@ -55,6 +59,6 @@ def default_policy(
             "range and needs none. It is applied as given; leave policy out (no loss scale, "
             "a non-finite step still skipped) unless you want it.",
             IntegrationWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
     return policy

@@ -254,9 +254,9 @@ def _policies(
         )
     if compute_dtype is None:  # the models as built: the actor's (or the trainer's) dtype
         compute_dtype = _models.compute_dtype_of(trainers[0].model)
-    policy = _changes.default_policy(policy, compute_dtype)
+    policy = _changes.default_policy(policy, compute_dtype, stacklevel=4)  # enable's caller
     if critic_policy is not None:
-        critic_policy = _changes.default_policy(critic_policy, compute_dtype, "critic_policy")
+        critic_policy = _changes.default_policy(critic_policy, compute_dtype, "critic_policy", 4)
     else:
         critic_policy = policy
     return [policy, critic_policy][: len(trainers)]
