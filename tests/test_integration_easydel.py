@@ -257,12 +257,18 @@ def dpo_trainer(tmp_path, dtype=jnp.float32, steps=3):
     )
 
 
-@pytest.mark.skipif(
-    jax.device_count() > 1,
-    reason="stock EasyDeL 0.3.0's DPO fails on a multi-device CPU mesh, in float32 without "
-    "enable() too (its batch on one device, its state on all: 'Received incompatible devices "
-    "for jitted computation'); make test-easydel runs this test on one device",
-)
+def one_device(trainer, where):
+    """Skips a test where this run has more than one device: stock EasyDeL 0.3.0's
+    ``trainer`` fails on a multi-device CPU mesh (``where``), without enable() too."""
+    return pytest.mark.skipif(
+        jax.device_count() > 1,
+        reason=f"stock EasyDeL 0.3.0's {trainer} fails on a multi-device CPU mesh, in float32 "
+        f"without enable() too ({where}: 'Received incompatible devices for jitted "
+        "computation'); make test-easydel runs this test on one device",
+    )
+
+
+@one_device("DPO", "its batch on one device, its state on all")
 def test_dpo_tracks_float32(tmp_path):
     # DPO's step takes its gradients through the same seam as SFT's. Its reference model
     # stays as built (float32): at step 1 the policy equals it, the loss log 2 in float32,
@@ -313,12 +319,7 @@ def grpo_trainer(tmp_path, steps=2):
     )
 
 
-@pytest.mark.skipif(
-    jax.device_count() > 1,
-    reason="stock EasyDeL 0.3.0's GRPO fails on a multi-device CPU mesh, in float32 without "
-    "enable() too (its reference model's log-probs: 'Received incompatible devices for "
-    "jitted computation'); make test-easydel runs this test on one device",
-)
+@one_device("GRPO", "its reference model's log-probs")
 def test_grpo_trains_and_samples_in_float16(tmp_path):
     # GRPO builds its step (grpo_step) and its sampling function in configure_functions:
     # both rebuilt, from the float16 graph. Not compared with float32 step for step: the
