@@ -118,7 +118,7 @@ $(TUNIX_VENV)/.maxtext-stamp: $(TUNIX_VENV)/.installed-stamp
 # CPU) with theirs. EASYDEL_AUTO=0: EasyDeL's import otherwise adds GPU flags to XLA_FLAGS that
 # jaxlib 0.10.2 on a CPU refuses. Its tests (tests/test_integration_easydel.py, the example's
 # included) and docs/easydel.md's code on the suite's 8 CPU devices, then GRPO's on one (stock
-# EasyDeL's GRPO and DPO fail on a multi-device CPU mesh); make test skips them without EasyDeL.
+# EasyDeL's GRPO, DPO and PPO fail on a multi-device CPU mesh); make test skips them without EasyDeL.
 EASYDEL_VENV ?= .venv-easydel
 EASYDEL_PYTHON ?= python3.12
 EASYDEL_NO_DEPS := easydel eformer ejkernel
@@ -129,7 +129,7 @@ test-easydel:
 	EASYDEL_AUTO=0 $(EASYDEL_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load \
 		tests/test_integration_easydel.py "tests/test_docs.py::test_code_blocks_run[easydel.md]"
 	EASYDEL_AUTO=0 LSJ_TEST_CPU_DEVICES=1 $(EASYDEL_VENV)/bin/python -m pytest -q \
-		tests/test_integration_easydel.py -k "grpo or dpo"
+		tests/test_integration_easydel.py -k "grpo or dpo or ppo"
 
 $(EASYDEL_VENV)/.easydel-stamp: $(EASYDEL_VENV)/.installed-stamp pyproject.toml
 	$(EASYDEL_VENV)/bin/python -c "import tomllib; e = tomllib.load(open('pyproject.toml', 'rb'))[ \

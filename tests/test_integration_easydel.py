@@ -285,10 +285,11 @@ def test_dpo_tracks_float32(tmp_path):
         assert b["train/loss_scale/scale_used"] == 2.0**15
 
 
-def grpo_trainer(tmp_path, steps=2):
-    """EasyDeL's GRPOTrainer on the example's tiny Llama: 4-word prompts, 8-word completions
-    (2 per prompt), the reward the count of ``t7``; on a CPU without eSurge's engine (its
-    generation, as EasyDeL's CPU path needs), with a generation config set on the model."""
+def rl_trainer(tmp_path, kind="GRPO", steps=2):
+    """EasyDeL's ``GRPOTrainer`` (or ``PPOTrainer``: ``kind``) on the example's tiny Llama:
+    4-word prompts, 8-word completions (2 per prompt), the reward the count of ``t7``; on a
+    CPU without eSurge's engine (its generation, as EasyDeL's CPU path needs), with a
+    generation config set on the model."""
     from transformers import GenerationConfig
 
     model = EX.tiny_llama(jnp.float32)
@@ -300,7 +301,8 @@ def grpo_trainer(tmp_path, steps=2):
     def reward(prompts, completions, **kwargs):
         return [float(str(c).count("t7")) for c in completions]
 
-    arguments = EX.ed.GRPOConfig(
+    config = {"GRPO": EX.ed.GRPOConfig, "PPO": EX.ed.PPOConfig}[kind]
+    arguments = config(
         max_prompt_length=8,
         max_completion_length=8,
         total_batch_size=2,
@@ -310,7 +312,7 @@ def grpo_trainer(tmp_path, steps=2):
         **EX.run_arguments(steps, str(tmp_path)),
     )
     data = EX.Dataset.from_list([{"prompt": p} for p in prompts])
-    return EX.ed.GRPOTrainer(
+    return getattr(EX.ed, f"{kind}Trainer")(
         arguments=arguments,
         model=model,
         reward_funcs=reward,
@@ -319,12 +321,9 @@ def grpo_trainer(tmp_path, steps=2):
     )
 
 
-@one_device("GRPO", "its reference model's log-probs")
-def test_grpo_trains_and_samples_in_float16(tmp_path):
-    # GRPO builds its step (grpo_step) and its sampling function in configure_functions:
-    # both rebuilt, from the float16 graph. Not compared with float32 step for step: the
-    # sampled completions differ with the compute dtype.
-    t = grpo_trainer(tmp_path)
+def trains_and_samples_in_float16(t):
+    """``enable(t)``: its sampling function rebuilt, the model in float16, two steps with
+    finite losses and gradient norms and no skip."""
     sampler = t.generate_function
     lsj_easydel.enable(t)
     assert t.generate_function is not sampler
@@ -338,6 +337,24 @@ def test_grpo_trains_and_samples_in_float16(tmp_path):
         assert m["train/loss_scale/skipped"] == 0.0
         assert np.isfinite(m["train/train/max_grad_norm"]) and np.isfinite(m["train/loss"])
     assert int(lsj.get_loss_scale_state(state.opt_state).total_steps) == 2
+    return logged
+
+
+@one_device("GRPO", "its reference model's log-probs")
+def test_grpo_trains_and_samples_in_float16(tmp_path):
+    # GRPO builds its step (grpo_step) and its sampling function in configure_functions:
+    # both rebuilt, from the float16 graph. Not compared with float32 step for step: the
+    # sampled completions differ with the compute dtype.
+    trains_and_samples_in_float16(rl_trainer(tmp_path, "GRPO"))
+
+
+@one_device("PPO", "its reference model's log-probs")
+def test_ppo_trains_and_samples_in_float16(tmp_path):
+    # PPO wraps the policy with a value head (its loss the clipped surrogate plus the value
+    # head's squared error, one step through the same seam): the head computes in float16
+    # too, and both losses are logged finite.
+    logged = trains_and_samples_in_float16(rl_trainer(tmp_path, "PPO"))
+    assert all(np.isfinite(m["train/value_loss"]) for m in logged)
 
 
 def test_bfloat16_gets_no_scale_and_a_scale_given_warns(tmp_path):
