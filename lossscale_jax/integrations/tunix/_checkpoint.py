@@ -69,9 +69,7 @@ class _Renamed:
         items = getattr(meta, "item_metadata", None)
         if items is None:
             return meta
-        renamed = {k: v for k, v in items.items() if k != TUNIX_ITEM}
-        if ITEM in renamed:
-            renamed[TUNIX_ITEM] = renamed.pop(ITEM)
+        renamed = _renamed_items(items, ITEM, TUNIX_ITEM)
         return dataclasses.replace(meta, item_metadata=renamed)
 
 
