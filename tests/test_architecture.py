@@ -259,7 +259,10 @@ def test_each_folder_says_what_it_holds_and_what_it_may_import(folder):
             },
         ),
         ("matplotlib", {"lossscale_jax.diagnosis._plot"}),
-        ("easydel", {"lossscale_jax.integrations.easydel"}),
+        (
+            "easydel",
+            {"lossscale_jax.integrations.easydel", "lossscale_jax.integrations.easydel._sampling"},
+        ),
         (
             "tunix",
             {

@@ -3,8 +3,9 @@
 """EasyDeL (``easydel``): its trainers in float16 with loss scaling, one call.
 
 ``pip install "lossscale_jax[easydel]"``; EasyDeL loads only when this module is imported.
-Holds ``enable`` (public) and its parts: ``_seams`` (the names of EasyDeL it relies on) and
-``_step`` (the loss-scaled copy of an EasyDeL training step). What it shares with the other
+Holds ``enable`` (public) and its parts: ``_seams`` (the names of EasyDeL it relies on),
+``_step`` (the loss-scaled copy of an EasyDeL training step) and ``_sampling`` (its
+compiled generation's draw from float32 logits). What it shares with the other
 hosts (the compute-dtype switch, the check-then-apply refusal, the metrics) is in
 ``lossscale_jax.integrations._host``.
 """
@@ -40,7 +41,7 @@ except ImportError as _missing:
         f"'lossscale_jax[easydel]' (easydel 0.3.0). ({_missing})"
     ) from _missing
 
-from lossscale_jax.integrations.easydel import _seams, _step
+from lossscale_jax.integrations.easydel import _sampling, _seams, _step
 
 __all__ = ["TESTED_VERSIONS", "check_release", "enable"]
 
@@ -81,7 +82,9 @@ def enable(
       ``dtype``) with float32 parameters, and its norms in float32 (EasyDeL's ``RMSNorm``
       upcasts only float8 and float4: in float16 its backward pass overflows); the loss is
       computed in float32 (``LossConfig(compute_dtype="fp32")``: in float16 a sum past
-      65,504 is inf). A trainer that samples (GRPO) samples from the switched model;
+      65,504 is inf). A trainer that samples (GRPO) samples from the switched model, its
+      compiled generation from float32 logits (in float16, JAX's categorical draw never
+      samples a token 9.2 nats below the top one: ``_sampling``);
     - the optimizer becomes ``lsj.loss_scaling(tx, policy)`` around the trainer's own
       (float16 parameters get float32 masters: ``lsj.master_weights``), its state
       initialised and sharded as EasyDeL shards it (``EasyDeLState.init_tx``); a state
@@ -139,6 +142,8 @@ def enable(
     dtype = compute_dtype if compute_dtype is not None else _dtype.compute_dtype_of(model)
     policy = _changes.default_policy(policy, dtype)
     changes.append(_optimizer_change(trainer, model, policy))
+    if dtype is not None and jnp.finfo(dtype).bits < 32:
+        changes.append(_sampling_change(trainer))
     changes.append(_step_change(trainer))
     _changes.apply(changes)
     return trainer
@@ -156,6 +161,16 @@ def _loss_in_float32(trainer: Any) -> Change:
 
     def change() -> None:
         trainer.arguments.loss_config = fp32
+
+    return change
+
+
+def _sampling_change(trainer: Any) -> Change:
+    """The trainer's compiled generation sampling from float32 logits (``_sampling``)."""
+    kwargs = trainer._default_generation_kwargs
+
+    def change() -> None:
+        trainer._default_generation_kwargs = _sampling.float32_sampling(kwargs)
 
     return change
 

@@ -33,6 +33,8 @@ NAMES = {
     "easydel.trainers.base_trainer": ("BaseTrainer",),
     "easydel.infra.base_state": ("EasyDeLState",),
     "easydel.infra.loss_utils": ("LossConfig", "LossMetrics"),
+    "easydel.inference.logits_process": ("LogitsProcessor", "LogitsProcessorList"),
+    "easydel.infra.mixins.generation": ("EasyGenerationMixin",),
 }
 # class (module, name) -> its members the integration uses.
 MEMBERS = {
@@ -40,6 +42,7 @@ MEMBERS = {
         "configure_functions",
         "_configure_functions",
         "apply_training_hooks",
+        "_default_generation_kwargs",
     ),
     ("easydel.infra.base_state", "EasyDeLState"): ("init_tx", "replace", "model", "shardings"),
 }
@@ -84,6 +87,12 @@ def missing() -> list[str]:
     call = getattr(utils, "minibatch_call", None)
     if call is not None and "grad_fn" not in inspect.signature(call).parameters:
         out.append("easydel.trainers.training_utils.minibatch_call(grad_fn=...)")
+    mixin = getattr(modules.get("easydel.infra.mixins.generation"), "EasyGenerationMixin", None)
+    generate = getattr(mixin, "generate", None)
+    if generate is not None and "logits_processor" not in inspect.signature(generate).parameters:
+        out.append(
+            "easydel.infra.mixins.generation.EasyGenerationMixin.generate(logits_processor=...)"
+        )
     return out
 
 
