@@ -101,13 +101,17 @@ def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(q) < TINY, q, corrected)
 
 
-def divide_by_count(a: jax.Array, n: jax.Array) -> jax.Array:
+def divide_by_count(a: jax.Array, n: jax.Array, q: jax.Array | None = None) -> jax.Array:
     """``a / n`` rounded once to float32, for a finite float32 ``a`` and an integer count
     ``1 <= n <= MAX_COUNT`` (float32 or int), the same bits on every backend (for quotients
-    of magnitude at least ``TINY``; 0 is exact)."""
+    of magnitude at least ``TINY``; 0 is exact).
+
+    ``q``: the backend's quotient, where the caller computed it (``a / n``, or a selection
+    of such quotients with ``a`` and ``n`` selected alike: one correction for several
+    divisions, whose result is each one's corrected quotient, elementwise)."""
     a = jnp.asarray(a, jnp.float32)
     n = jnp.asarray(n).astype(jnp.float32)
-    q = a / n
+    q = a / n if q is None else jnp.asarray(q, jnp.float32)
     skew = _SKEW.value
     if skew:
         # From the rounded quotient, so the hook's skew is the whole error on every backend

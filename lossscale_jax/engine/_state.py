@@ -213,10 +213,18 @@ def recent_rate(
     f32 = jnp.float32
     # Each division rounded once, as IEEE (and the reference model) says, on every backend.
     counted = jnp.clip(total_steps, 1, RECENT_STEPS)  # the mean is read up to RECENT_STEPS
-    mean = divide_by_count(overflow_steps.astype(f32), counted)
     rate = rate.astype(f32)
-    ema = rate + divide_by_count(overflow.astype(f32) - rate, jnp.int32(RECENT_STEPS))
-    return jnp.where(total_steps <= RECENT_STEPS, mean, ema)
+    steps, delta = overflow_steps.astype(f32), overflow.astype(f32) - rate
+    in_mean = total_steps <= RECENT_STEPS
+    # Each backend's quotient as before (the EMA's divisor a constant, which XLA may turn
+    # into a product by its reciprocal), then the one the step keeps corrected: one
+    # correction (some 140 scalar operations, much of the step's compile time on XLA:CPU)
+    # instead of two, and the same bits, the correction being elementwise.
+    q = jnp.where(in_mean, steps / counted.astype(f32), delta / f32(RECENT_STEPS))
+    a = jnp.where(in_mean, steps, delta)
+    n = jnp.where(in_mean, counted, jnp.int32(RECENT_STEPS))
+    kept = divide_by_count(a, n, q)
+    return jnp.where(in_mean, kept, rate + kept)
 
 
 def record_step(
