@@ -83,12 +83,16 @@ def _remainder(a: jax.Array, q: jax.Array, n: jax.Array) -> jax.Array:
 
 def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
     """The float32 nearest ``a / n`` (ties to even), given ``q`` within two ulps of it."""
-    up = jnp.float32(np.inf)
-    down = jnp.float32(-np.inf)
-    q_up = jnp.nextafter(q, up)
-    q_down = jnp.nextafter(q, down)
-    others = [jnp.nextafter(q_down, down), q_down, q_up, jnp.nextafter(q_up, up)]
+    # The neighbours two ulps either way, as the next representations: for a normal q (what
+    # is kept below) the floats ``nextafter`` steps to, on either side of a binade's edge,
+    # in a handful of integer operations where ``nextafter`` takes some twenty (compile time).
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
+    one, two = np.uint32(1), np.uint32(2)
+    near = [bits + one, bits + two, bits - one, bits - two]
+    others = [jax.lax.bitcast_convert_type(b, jnp.float32) for b in near]
     # The smallest remainder; of two equal ones (the quotient lies half way), the even one.
+    # The nearest of the five is one float, or two adjacent ones (one of them even): the
+    # order they are tried in does not change which is kept.
     best, best_err = q, jnp.abs(_remainder(a, q, n))
     for c in others:
         err = jnp.abs(_remainder(a, c, n))
