@@ -18,7 +18,16 @@ which the compiler resolves before it sees the program.
   not in the program lowered for one platform: for a value cheap to trace twice (the overflow
   check's flags, ``_check_rows``).
 
-Neither traces a function twice: the fenced function is traced once, not once per branch.
+- ``row_major_on_cpu(tree)``: the identity. Lowered for the CPU, each leaf of two or more
+  dimensions in the default (row-major) layout (a ``with_layout_constraint``); lowered for any
+  other platform, no instruction at all. For the operands of XLA:CPU's conditional: a gradient
+  that the backward pass writes transposed (``x.T @ dy``, a float16 copy in column-major
+  order, where the transpose is free) is written row-major by its producer's kernel, rather
+  than copied into that order by a kernel of its own in the branch, which reads it row-major
+  as the parameters and the optimizer's moments are (XLA:CPU's layout assignment does not
+  carry the branch's order out of it).
+
+None traces a function twice: the fenced function is traced once, not once per branch.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.interpreters import ad, batching, mlir
 
 GPUS: tuple[str, ...] = ("cuda", "rocm")
@@ -72,6 +82,44 @@ def fence_on_cpu(tree: Any) -> Any:
     if not leaves:
         return tree
     return jax.tree_util.tree_unflatten(treedef, _fence_p.bind(*leaves))
+
+
+_row_major_p = jex_core.Primitive("lossscale_jax_row_major_on_cpu")
+_row_major_p.multiple_results = True
+_row_major_p.def_impl(_identity)  # eagerly: arrays are row-major already
+_row_major_p.def_abstract_eval(_same_avals)
+
+
+def _row_major_batched(args: Any, dims: Any) -> tuple[Any, Any]:
+    return _row_major_p.bind(*args), dims
+
+
+def _row_major_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
+    return _row_major_p.bind(*primals), list(tangents)
+
+
+def _row_major(*leaves: Any) -> list[Any]:
+    return [
+        with_layout_constraint(x, Layout(tuple(range(x.ndim)))) if x.ndim >= 2 else x
+        for x in leaves
+    ]
+
+
+batching.primitive_batchers[_row_major_p] = _row_major_batched
+ad.primitive_jvps[_row_major_p] = _row_major_jvp
+mlir.register_lowering(_row_major_p, lambda ctx, *leaves: list(leaves))  # every platform
+mlir.register_lowering(
+    _row_major_p, mlir.lower_fun(_row_major, multiple_results=True), platform="cpu"
+)
+
+
+def row_major_on_cpu(tree: Any) -> Any:
+    """``tree`` as it is; lowered for the CPU, its leaves of two or more dimensions laid out
+    row-major (the default layout)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    return jax.tree_util.tree_unflatten(treedef, _row_major_p.bind(*leaves))
 
 
 # pick: operands (default, on); one result, the aval of ``default`` (``on`` has the same).
