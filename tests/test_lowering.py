@@ -221,3 +221,27 @@ def test_the_fence_is_the_identity_and_a_barrier_on_the_cpu_alone():
         text = traced_f.lower(lowering_platforms=(platform,)).as_text()
         assert "optimization_barrier" not in text and "stablehlo.case" not in text
     assert fence_on_cpu(()) == () and fence_on_cpu({"a": None}) == {"a": None}
+
+
+def test_the_conditionals_operands_are_row_major_on_the_cpu_unless_exported(monkeypatch):
+    """Lowered by ``jit`` for the CPU, the conditional's operands carry a layout constraint to
+    row-major (``engine/_platform.row_major_on_cpu``: no transposing copy in the branch);
+    ``jax.export``, which refuses the constraint's custom call, gets none, for the CPU alone
+    and beside ``cuda``, and the exported step runs here to the same bits as the jitted one."""
+    monkeypatch.delenv(_skip.ENV, raising=False)
+    tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    grads = jax.tree.map(lambda a: a.astype(jnp.float16), params_of())
+    args = (params_of(), tx.init(params_of()), grads)
+    assert "LayoutConstraint" in jax.jit(step).lower(*args).as_text()
+    want = jax.jit(step)(*args)
+    for platforms in (("cpu",), ("cpu", "cuda")):
+        exported = jax.export.export(jax.jit(step), platforms=platforms)(*args)
+        assert "LayoutConstraint" not in exported.mlir_module()
+        got = exported.call(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))

@@ -108,9 +108,19 @@ def _row_major(*leaves: Any) -> list[Any]:
 batching.primitive_batchers[_row_major_p] = _row_major_batched
 ad.primitive_jvps[_row_major_p] = _row_major_jvp
 mlir.register_lowering(_row_major_p, lambda ctx, *leaves: list(leaves))  # every platform
-mlir.register_lowering(
-    _row_major_p, mlir.lower_fun(_row_major, multiple_results=True), platform="cpu"
-)
+_row_major_rule = mlir.lower_fun(_row_major, multiple_results=True)
+
+
+def _row_major_cpu(ctx: Any, *leaves: Any) -> Any:
+    # jax.export refuses the layout constraint's custom call: an exported step keeps XLA's
+    # choice of layout (the copy in the branch), as does any lowering that does not say.
+    params = getattr(getattr(ctx, "module_context", None), "lowering_parameters", None)
+    if getattr(params, "for_export", True):
+        return list(leaves)
+    return _row_major_rule(ctx, *leaves)
+
+
+mlir.register_lowering(_row_major_p, _row_major_cpu, platform="cpu")
 
 
 def row_major_on_cpu(tree: Any) -> Any:
