@@ -182,9 +182,9 @@ def test_lowered_for_the_cpu_the_step_is_the_conditionals(monkeypatch, front):
     assert runtime_conditionals(tpu) >= 1 and "optimization_barrier" not in tpu
 
 
-def test_jax_export_for_cuda_from_this_process(monkeypatch):
-    """What a user runs to ship a step to a GPU machine: ``jax.export`` for ``cuda``."""
-    monkeypatch.delenv(_skip.ENV, raising=False)
+def readme_update_step():
+    """The README's update (``tx.update``, ``apply_updates``) on the MLP's float16
+    gradients: the step and its arguments."""
     tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
 
     def step(params, state, grads):
@@ -192,9 +192,14 @@ def test_jax_export_for_cuda_from_this_process(monkeypatch):
         return optax.apply_updates(params, updates), state
 
     grads = jax.tree.map(lambda a: a.astype(jnp.float16), params_of())
-    exported = jax.export.export(jax.jit(step), platforms=("cuda",))(
-        params_of(), tx.init(params_of()), grads
-    )
+    return step, (params_of(), tx.init(params_of()), grads)
+
+
+def test_jax_export_for_cuda_from_this_process(monkeypatch):
+    """What a user runs to ship a step to a GPU machine: ``jax.export`` for ``cuda``."""
+    monkeypatch.delenv(_skip.ENV, raising=False)
+    step, args = readme_update_step()
+    exported = jax.export.export(jax.jit(step), platforms=("cuda",))(*args)
     text = exported.mlir_module()
     assert exported.platforms == ("cuda",)
     assert runtime_conditionals(text) == 0 and "optimization_barrier" not in text
@@ -229,14 +234,7 @@ def test_the_conditionals_operands_are_row_major_on_the_cpu_unless_exported(monk
     ``jax.export``, which refuses the constraint's custom call, gets none, for the CPU alone
     and beside ``cuda``, and the exported step runs here to the same bits as the jitted one."""
     monkeypatch.delenv(_skip.ENV, raising=False)
-    tx = lsj.loss_scaling(optax.adam(1e-3), lsj.DynamicScale())
-
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    grads = jax.tree.map(lambda a: a.astype(jnp.float16), params_of())
-    args = (params_of(), tx.init(params_of()), grads)
+    step, args = readme_update_step()
     assert "LayoutConstraint" in jax.jit(step).lower(*args).as_text()
     want = jax.jit(step)(*args)
     for platforms in (("cpu",), ("cpu", "cuda")):
