@@ -211,7 +211,7 @@ def loss_scaling(
         )
         loss_scale, apply = engine.decide(state.loss_scale, check)
         new_updates, inner_state = inner_or_skip(
-            engine, apply, inner_update, updates, state.inner_state
+            engine, apply, inner_update, updates, state.inner_state, like=params
         )
         return new_updates, LossScalingState(loss_scale, inner_state, check.flags)
 
