@@ -213,6 +213,35 @@ def _good_step_kernels(text: str, op: str, shapes: set[str]) -> int:
 
 
 @cpu_hlo
+def test_the_optax_paths_skip_branch_builds_no_update():
+    """A skipped step of the Optax path passes the parameters through the conditional in place
+    of its updates and makes them -0.0 after the decision: its skip branch computes nothing
+    (XLA:CPU compiles each kernel of a branch, some 20 ms each, though a skipped step alone runs
+    it), and the updates are -0.0 all the same: with the parameters given, without them (the
+    -0.0 built in the branch), and for a leaf whose parameter has another dtype."""
+    rng = np.random.default_rng(5)
+    params = _params(rng, jnp.float32)
+    grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
+    inner = optax.adam(1e-3)
+    tx = lsj.loss_scaling(inner, lsj.DynamicScale())
+    text = _compile(_steps(tx, inner)["optax"][0], tx.init, params, grads).as_text()
+    comps, entry = hlo.parse_hlo(text)
+    (cond,) = [i for c in comps.values() for i in c if i["op"] == "conditional"]
+    skip_branch = hlo.branches(cond)[0]
+    kernels = [i["op"] for i in comps[skip_branch] if i["op"] not in ("parameter", "tuple")]
+    assert set(kernels) <= {"get-tuple-element", "copy", "bitcast"}, kernels
+
+    bad = jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+    state = tx.init(params)
+    bf16 = {**params, "b1": params["b1"].astype(jnp.bfloat16)}  # not the updates' dtype
+    for given in (params, None, bf16):
+        updates, new = jax.jit(tx.update)(bad, state, given)
+        assert bool(new.loss_scale.last_skipped)
+        for u in jax.tree_util.tree_leaves(updates):
+            assert u.dtype == jnp.float32 and bool(jnp.all(u == 0) & jnp.all(jnp.signbit(u)))
+
+
+@cpu_hlo
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ieee", "saturating"])
 def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
