@@ -20,10 +20,9 @@ from lossscale_jax.engine._engine import (
     Engine,
     EngineUpdate,
     check_state,
-    inner_or_skip,
-    skip_updates,
 )
 from lossscale_jax.engine._hyper import check_int
+from lossscale_jax.engine._inner_skip import inner_or_skip, skip_updates
 from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import prepare_inner, refuse_nested_state
 from lossscale_jax.engine._opt_states import LossScalingMultiStepsState

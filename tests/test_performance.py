@@ -476,7 +476,7 @@ def test_benchmark_command_renders_the_saved_run(tmp_path):
 def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
     """A skipped step's updates are -0.0 (params + updates keeps -0.0 parameters): the same
     compiled step, op for op and byte for byte, as with +0.0 (which would not keep them)."""
-    from lossscale_jax.engine import _engine
+    from lossscale_jax.engine import _inner_skip
 
     rng = np.random.default_rng(3)
     params = _params(rng, jnp.float32)
@@ -499,8 +499,8 @@ def test_negative_zero_skip_updates_cost_nothing(monkeypatch):
 
     negative, kept = compiled()
     assert_bits_equal(kept, params)  # -0.0 stays -0.0
-    plus = _engine._skip_leaf  # what every skipped update is built from
-    monkeypatch.setattr(_engine, "_skip_leaf", lambda s: jnp.zeros_like(plus(s)))
+    plus = _inner_skip._skip_leaf  # what every skipped update is built from
+    monkeypatch.setattr(_inner_skip, "_skip_leaf", lambda s: jnp.zeros_like(plus(s)))
     positive, flipped = compiled()
     assert np.signbit(np.asarray(kept["b1"][0])) and not np.signbit(np.asarray(flipped["b1"][0]))
     assert histogram(negative.as_text()) == histogram(positive.as_text())

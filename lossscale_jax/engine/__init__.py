@@ -1,7 +1,8 @@
 """The engine: the one step every front-end calls, and what it is made of (internals).
 
-Holds the ``Engine`` (``_engine``: check, decide, select; ``EngineUpdate``, ``inner_or_skip``)
-and its parts: the check's kernels (``_check``; in rows where a step is lowered for a GPU,
+Holds the ``Engine`` (``_engine``: check, decide, select; ``EngineUpdate``), the Optax path's
+decision through it (``_inner_skip``: ``inner_or_skip``, a skipped step's updates) and its
+parts: the check's kernels (``_check``; in rows where a step is lowered for a GPU,
 ``_check_rows``), the unscale (``_unscale``), the collective and the mapped-axis rules
 (``_devices``), the skip's formulation per backend (``_skip``) and what the platform a step is
 lowered for picks with no conditional (``_platform``: the CPU's fence in the skip, the check's

@@ -22,9 +22,8 @@ from lossscale_jax.engine._engine import (
     Check,
     Engine,
     check_state,
-    inner_or_skip,
-    skip_updates,
 )
+from lossscale_jax.engine._inner_skip import inner_or_skip, skip_updates
 from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import refuse_nested_state
 from lossscale_jax.engine._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
