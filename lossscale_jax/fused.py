@@ -11,7 +11,6 @@ import optax
 from lossscale_jax.engine._engine import check_state, engine_of
 from lossscale_jax.engine._landing import land_first, unscale_targets
 from lossscale_jax.engine._opt_states import LossScalingState
-from lossscale_jax.engine._platform import GPUS, pick
 from lossscale_jax.engine._unscale import inverse
 
 __all__ = ["apply_gradients"]
@@ -109,26 +108,21 @@ def apply_gradients(
     # update's expression with an addition, so a backend that contracts ``p + a * b`` into a
     # fused multiply-add (XLA:CPU does) still adds the rounded update: the result is
     # bit-identical to the Optax path, where the updates cross the conditional's boundary in
-    # memory. Lowered for a GPU it is a product with the unscale's factor (1 / scale, finite
-    # and > 0 whenever the step applies: a scale that is not counts as an overflow), which
-    # XLA:GPU computes in that factor's kernel; a select on ``apply`` is a kernel of its own.
-    neg_zero = pick(
-        jnp.where(apply, jnp.float32(-0.0), jnp.float32(1.0)),
-        jnp.float32(-0.0) * inverse(scale),
-        GPUS,
-    )
+    # memory. It is a product with the unscale's factor (1 / scale, finite and > 0 whenever
+    # the step applies: a scale that is not counts as an overflow), computed in the good
+    # branch beside the unscale's own (XLA computes the two as one): no kernel of its own,
+    # on any backend (a select on ``apply`` outside the branch was one on XLA:CPU).
 
     def good(operands: Any) -> Any:
-        g, inner_state, p, neg_zero = operands
+        g, inner_state, p = operands
+        neg_zero = jnp.float32(-0.0) * inverse(scale)
         updates, inner_state = landed(g, inner_state, p)
         updates = jax.tree_util.tree_map(lambda u: u + neg_zero.astype(u.dtype), updates)
         return optax.apply_updates(p, updates), inner_state
 
     def skip(operands: Any) -> Any:
-        _, inner_state, p, _ = operands
+        _, inner_state, p = operands
         return p, inner_state
 
-    new_params, inner_state = engine.select(
-        apply, good, skip, (grads, state.inner_state, params, neg_zero)
-    )
+    new_params, inner_state = engine.select(apply, good, skip, (grads, state.inner_state, params))
     return new_params, LossScalingState(loss_scale, inner_state, check.flags)
