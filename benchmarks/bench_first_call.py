@@ -9,6 +9,7 @@ quotes the figures.
     python benchmarks/bench_first_call.py                       # gpt_23m and mlp_34m, 3 rounds
     python benchmarks/bench_first_call.py --models tiny --rounds 1   # a smoke run
     python benchmarks/bench_first_call.py --child optax gpt_23m --profile /tmp/p.prof
+    python benchmarks/bench_first_call.py --kernels                # distinct kernels compiled
 """
 
 from __future__ import annotations
@@ -171,6 +172,48 @@ def child(variant: str, model: str, profile: str | None = None) -> dict[str, flo
     return {**times, **{f"{k}_cpu": v for k, v in cpu.items()}}
 
 
+KERNEL_EVENT = "FusionCompiler::Compile"
+"""The profiler's event for one kernel XLA:CPU compiles (a distinct fused computation; two
+alike are compiled once): what the compile costs per kernel, whatever its size."""
+
+
+def compiled_kernels(lowered: Any) -> int:
+    """The distinct kernels XLA:CPU compiles for ``lowered`` (a ``jax.stages.Lowered``),
+    counted from a profile of its compile (``KERNEL_EVENT``): the figure of the compile that
+    does not scatter with the load. A backend or JAX that records no such event raises
+    ``RuntimeError``."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax._src.lib import _profile_data
+
+    with tempfile.TemporaryDirectory() as out:
+        with jax.profiler.trace(out):
+            lowered.compile()
+        (path,) = glob.glob(f"{out}/**/*.xplane.pb", recursive=True)
+        data = _profile_data.ProfileData.from_file(path)
+        n = sum(
+            e.name == KERNEL_EVENT for p in data.planes for line in p.lines for e in line.events
+        )
+    if n == 0:
+        raise RuntimeError(
+            f"no {KERNEL_EVENT!r} event in the profile of the compile: this backend or JAX "
+            f"(jax {jax.__version__}, {jax.default_backend()}) does not record XLA:CPU's kernels."
+        )
+    return n
+
+
+def kernels(variant: str, model: str) -> int:
+    """``compiled_kernels`` of one variant's step on one model (in this process: run it in a
+    fresh one, as ``--kernels`` does, for a compile no cache has seen)."""
+    import jax
+
+    params, batch, loss_fn = _model(model)
+    step, opt_state = _step(variant, loss_fn, params)
+    return compiled_kernels(jax.jit(step).lower(params, opt_state, *batch))
+
+
 def measure(
     models: list[str], variants: list[str], rounds: int, python: str = sys.executable
 ) -> list[dict[str, Any]]:
@@ -229,11 +272,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS)
     parser.add_argument("--profile", help="with --child: a cProfile of the trace, to this file")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead of timing: the distinct kernels XLA:CPU compiles for each step",
+    )
     args = parser.parse_args(argv)
     if args.child:
+        if args.kernels:
+            print(json.dumps({"kernels": kernels(*args.child)}))
+            return
         print(json.dumps(child(*args.child, profile=args.profile)))
         return
     import jax
+
+    if args.kernels:
+        print("| model | " + " | ".join(("plain", *args.variants)) + " |")
+        print("|---|" + "---:|" * (1 + len(args.variants)))
+        for model in args.models:
+            counts = [
+                json.loads(
+                    subprocess.run(
+                        [sys.executable, __file__, "--kernels", "--child", v, model],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                    )
+                    .stdout.strip()
+                    .splitlines()[-1]
+                )["kernels"]
+                for v in ("plain", *args.variants)
+            ]
+            print(f"| {model} | " + " | ".join(str(c) for c in counts) + " |")
+        return
 
     load = os.getloadavg()[0]
     print(f"jax {jax.__version__}, Python {sys.version.split()[0]}, load average {load:.1f}")

@@ -1126,6 +1126,32 @@ def test_underflow_of_the_logits_gradient_against_numpy(monkeypatch):
         underflow.logits_lost(workloads.build_case("tiny/in_out/fp16grad/full"))
 
 
+@cpu_hlo
+@pytest.mark.slow
+def test_first_call_benchmark_counts_the_kernels_xla_cpu_compiles():
+    """``bench_first_call.py --kernels``: each scalar a function returns apart is a kernel of
+    its own on XLA:CPU, so n more such results are n more kernels (derived by hand, whatever
+    the fixed count); and the tiny model's loss-scaled steps compile more than plain's, the
+    fused step no more than the Optax path (whose updates cross the conditional)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_first_call", ROOT / "benchmarks" / "bench_first_call.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def scalars(n):
+        def f(x, flag):
+            return tuple(jnp.where(flag, x * (i + 2.0) + i, x - 3.0 * i) for i in range(n))
+
+        jax.clear_caches()
+        return bench.compiled_kernels(jax.jit(f).lower(jnp.float32(3), jnp.bool_(True)))
+
+    assert scalars(6) - scalars(1) == 5
+    plain, optax_path, fused = (bench.kernels(v, "tiny") for v in ("plain", "optax", "fused"))
+    assert plain < fused <= optax_path, (plain, fused, optax_path)
+
+
 @pytest.mark.slow
 def test_first_call_benchmark_reports_each_stage_against_plain(tmp_path):
     """`benchmarks/bench_first_call.py` at its smoke size, the command run as a process: a row
