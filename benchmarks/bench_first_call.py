@@ -214,6 +214,20 @@ def kernels(variant: str, model: str) -> int:
     return compiled_kernels(jax.jit(step).lower(params, opt_state, *batch))
 
 
+def _in_child(python: str, platforms: str, *args: str) -> dict[str, Any]:
+    """``--child`` (after ``args``' options, then the variant and model) in a fresh process
+    of ``python`` on JAX platforms ``platforms``: the JSON its last line prints."""
+    *options, variant, model = args
+    out = subprocess.run(
+        [python, __file__, *options, "--child", variant, model],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": platforms},
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def measure(
     models: list[str], variants: list[str], rounds: int, python: str = sys.executable
 ) -> list[dict[str, Any]]:
@@ -226,14 +240,8 @@ def measure(
             # plain first in even rounds, last in odd ones: each side sees the load alike
             order = ["plain", *variants] if r % 2 == 0 else [*variants, "plain"]
             for variant in order:
-                out = subprocess.run(
-                    [python, __file__, "--child", variant, model],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                    env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
-                )
-                seconds[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                platforms = os.environ.get("JAX_PLATFORMS", "cpu")
+                seconds[variant].append(_in_child(python, platforms, variant, model))
                 print(f"  {model} round {r + 1} {variant}: {seconds[variant][-1]}", flush=True)
         for variant in ("plain", *variants):
             row: dict[str, Any] = {"model": model, "variant": variant}
@@ -291,17 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|" + "---:|" * (1 + len(args.variants)))
         for model in args.models:
             counts = [
-                json.loads(
-                    subprocess.run(
-                        [sys.executable, __file__, "--kernels", "--child", v, model],
-                        check=True,
-                        capture_output=True,
-                        text=True,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                    )
-                    .stdout.strip()
-                    .splitlines()[-1]
-                )["kernels"]
+                _in_child(sys.executable, "cpu", "--kernels", v, model)["kernels"]
                 for v in ("plain", *args.variants)
             ]
             print(f"| {model} | " + " | ".join(str(c) for c in counts) + " |")
