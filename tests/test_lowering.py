@@ -32,7 +32,7 @@ from helpers import mlp_step
 
 import lossscale_jax as lsj
 from lossscale_jax.engine import _skip
-from lossscale_jax.engine._platform import fence_on_cpu
+from lossscale_jax.engine._platform import fence_on_cpu, one_kernel_on_cpu
 
 FRONTS = ("readme", "fused", "window_3")
 SKIPS = ("default", "select")
@@ -226,6 +226,42 @@ def test_the_fence_is_the_identity_and_a_barrier_on_the_cpu_alone():
         text = traced_f.lower(lowering_platforms=(platform,)).as_text()
         assert "optimization_barrier" not in text and "stablehlo.case" not in text
     assert fence_on_cpu(()) == () and fence_on_cpu({"a": None}) == {"a": None}
+
+
+def test_one_kernel_is_the_identity_bit_for_bit_and_a_reduction_on_the_cpu_alone():
+    """``one_kernel_on_cpu``: each value as it was, bit for bit (NaN, -0.0, the infinities, a
+    subnormal, the integers' ends, flags; float16, bfloat16, unsigned), eagerly, under ``jit``,
+    ``vmap`` and ``grad``; lowered for the CPU one variadic reduction per shape shared by two or
+    more leaves, lowered for any other platform none."""
+    f32 = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45, 3.5], np.float32)
+    tree = {
+        "f32": [jnp.asarray(v) for v in f32],
+        "i32": [jnp.int32(np.iinfo(np.int32).min), jnp.int32(np.iinfo(np.int32).max)],
+        "flags": [jnp.bool_(True), jnp.bool_(False)],
+        "small": [jnp.float16(-0.0), jnp.bfloat16(np.nan), jnp.uint8(255)],
+        "rows": [jnp.asarray(f32), jnp.arange(6, dtype=jnp.int32) - 3],  # a shape of their own
+        "alone": jnp.zeros((2, 2), jnp.complex64),  # no max: passed as it is
+    }
+
+    def bits(t):
+        return [np.asarray(x).tobytes() for x in jax.tree.leaves(t)]
+
+    for got in (one_kernel_on_cpu(tree), jax.jit(one_kernel_on_cpu)(tree)):
+        assert bits(got) == bits(tree)
+        assert [x.dtype for x in jax.tree.leaves(got)] == [x.dtype for x in jax.tree.leaves(tree)]
+    rows = jnp.stack([jnp.asarray(f32), jnp.asarray(f32[::-1])])
+    batched = jax.jit(jax.vmap(lambda r: one_kernel_on_cpu((r, r[0], r[1]))))(rows)
+    assert bits(batched) == bits((rows, rows[:, 0], rows[:, 1]))
+    grad = jax.jit(jax.grad(lambda x: sum(one_kernel_on_cpu((x * 2.0, x * 3.0)))))(3.0)
+    assert float(grad) == 5.0
+
+    traced = jax.jit(one_kernel_on_cpu).trace(tree)
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert cpu.count("stablehlo.reduce") == 2  # the scalars and the two rows; not "alone"
+    for platform in ("cuda", "rocm", "tpu"):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert "stablehlo.reduce" not in text and "stablehlo.case" not in text
+    assert one_kernel_on_cpu(()) == () and bits(one_kernel_on_cpu([f32[0]])) == bits([f32[0]])
 
 
 def test_the_conditionals_operands_are_row_major_on_the_cpu_unless_exported(monkeypatch):

@@ -34,6 +34,7 @@ from helpers import (  # tests/ is on sys.path under pytest
 )
 
 import lossscale_jax as lsj
+from lossscale_jax.engine._platform import one_kernel_on_cpu
 from lossscale_jax.errors import Float16OptimizerWarning
 
 # The benchmark's package (benchmarks/bench/): its HLO reader serves the tests below too.
@@ -242,6 +243,39 @@ def test_the_optax_paths_skip_branch_builds_no_update():
 
 
 @cpu_hlo
+@pytest.mark.parametrize("policy", [lsj.DynamicScale(), lsj.HeadroomScale()], ids=type)
+def test_the_steps_loss_scale_state_is_one_kernel(policy):
+    """XLA:CPU computes the loss-scale state a step returns in one kernel (a variadic
+    reduction of its twelve fields, ``engine/_platform.one_kernel_on_cpu``), not a kernel per
+    field, each some 20 ms of the first call's compile: on the Optax path and the fused step,
+    the same state as the step without it, bit for bit (a good step and an overflowing one)."""
+    rng = np.random.default_rng(4)
+    params = _params(rng, jnp.float32)
+    grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
+    inner = optax.adam(1e-3)
+    tx = lsj.loss_scaling(inner, policy)
+    n_fields = len(jax.tree_util.tree_leaves(tx.init(params).loss_scale))
+    for name, (fn, init) in _steps(tx, inner).items():
+        if name == "plain":
+            continue
+        comps, entry = hlo.parse_hlo(_compile(fn, init, params, grads).as_text())
+        fields = [
+            i["shape"].count("[]")
+            for i in comps[entry]
+            if i["op"] == "fusion" and i["shape"].startswith("(")
+        ]
+        assert max(fields) >= n_fields, (name, fields)  # the state's, and the step's apply
+        states = []
+        inf = jax.tree_util.tree_map(lambda x: x.at[0].set(jnp.inf), grads)
+        for g in (grads, inf):
+            step = jax.jit(fn)  # not donated: the inputs are read again below
+            states.append(step(params, init(params), g)[1].loss_scale)
+            with jax.disable_jit():  # op by op: no program, nothing packed
+                assert_bits_equal(states[-1], fn(params, init(params), g)[1].loss_scale)
+        assert bool(states[1].last_overflow) and not bool(states[0].last_overflow)
+
+
+@cpu_hlo
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ieee", "saturating"])
 def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
@@ -276,8 +310,11 @@ def test_compiled_step_reads_each_gradient_once_more_than_a_plain_step(mode):
             assert hlo.reads(text, f"grads['{k}']") <= plain_reads + 1, (name, k)
     assert hlo.count(texts["plain"], "conditional") == 0
     # The fused step needs no parameter-sized temporary beyond plain: the check fuses
-    # into its reduction (no mask is written), leaving a few scalars.
-    assert temps["fused"] <= temps["plain"] + 1024, (temps, n_params)
+    # into its reduction (no mask is written), leaving a few scalars: the loss-scale state's
+    # among them, each a 64-byte buffer of its own in a donated step (XLA:CPU computes them
+    # in one kernel, which cannot write into the donated buffers it reads). A float16
+    # gradient of "a" or "c", or a mask of one, is 8 KiB or more.
+    assert temps["fused"] <= temps["plain"] + 4096, (temps, n_params)
 
 
 @cpu_hlo
@@ -1147,7 +1184,19 @@ def test_first_call_benchmark_counts_the_kernels_xla_cpu_compiles():
         jax.clear_caches()
         return bench.compiled_kernels(jax.jit(f).lower(jnp.float32(3), jnp.bool_(True)))
 
-    assert scalars(6) - scalars(1) == 5
+    one = scalars(1)  # compiled once: XLA:CPU reuses a kernel it compiled in this process
+    assert scalars(6) - one == 5
+
+    def one_kernel(n):  # the same six through engine/_platform.one_kernel_on_cpu: one kernel
+        def f(x, flag):
+            return one_kernel_on_cpu(
+                tuple(jnp.where(flag, x * (i + 2.0) + i, x - 3.0 * i) for i in range(n))
+            )
+
+        jax.clear_caches()
+        return bench.compiled_kernels(jax.jit(f).lower(jnp.float32(3), jnp.bool_(True)))
+
+    assert one_kernel(6) == one
     plain, optax_path, fused = (bench.kernels(v, "tiny") for v in ("plain", "optax", "fused"))
     assert plain < fused <= optax_path, (plain, fused, optax_path)
 

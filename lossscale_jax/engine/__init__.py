@@ -6,8 +6,9 @@ parts: the check's kernels (``_check``; in rows where a step is lowered for a GP
 ``_check_rows``), the unscale (``_unscale``), the collective and the mapped-axis rules
 (``_devices``), the skip's formulation per backend (``_skip``) and what the platform a step is
 lowered for picks with no conditional (``_platform``: the CPU's fence in the skip, the check's
-formulation), the state and its telemetry (``_state``), the policy protocol the engine calls
-(``_policy``: ``LossScalePolicy``, so that the engine never imports ``policies/``), ``on_stuck``
+formulation, the state's scalars in one kernel on the CPU), the state and its telemetry
+(``_state``), the policy protocol the engine calls (``_policy``: ``LossScalePolicy``, so that
+the engine never imports ``policies/``), ``on_stuck``
 (``_stuck``), the taps' statistics vector it reads (``_tap_stats``), the loss's dtype note
 (``_loss_note``), the optimizer states the front-ends keep (``_opt_states``), where a
 ``LossScaleState`` sits and the nestings refused (``_nesting``), accumulation windows

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from lossscale_jax.engine import _check, _check_rows, _devices, _loss_note, _skip, _stuck, _wiring
+from lossscale_jax.engine._platform import one_kernel_on_cpu
 from lossscale_jax.engine._policy import LossScalePolicy, check_policy
 from lossscale_jax.engine._state import LossScaleState, unlanded_step
 from lossscale_jax.engine._tap_stats import WIDTH, TapStats
@@ -333,6 +334,7 @@ class Engine:
             # adjust(state, overflow) keeps working.
             new = self.policy.adjust(loss_scale, check.overflow)
         new, unlanded = unlanded_step(loss_scale, new, check.overflow, check.unlanded)
+        new = one_kernel_on_cpu(new)  # XLA:CPU: one kernel for the state's scalars, not one each
         _stuck.check_stuck(new, self.on_stuck, when, unlanded, check.float16_leaves)
         return new, jnp.logical_not(new.last_skipped)
 

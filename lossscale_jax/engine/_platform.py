@@ -27,6 +27,13 @@ which the compiler resolves before it sees the program.
   as the parameters and the optimizer's moments are (XLA:CPU's layout assignment does not
   carry the branch's order out of it).
 
+- ``one_kernel_on_cpu(tree)``: the identity. Lowered for the CPU, the leaves of one shape are
+  the outputs of one variadic reduction (each leaf stacked with itself and reduced by ``max``,
+  or ``or`` for a flag: the value itself, bit for bit), into which XLA:CPU fuses each leaf's
+  computation; lowered for any other platform, no instruction at all. For the loss-scale
+  state a step returns: XLA:CPU compiles a kernel for each of its scalars otherwise (each
+  output of a program is a kernel of its own there), some 20 ms of the first call apiece.
+
 None traces a function twice: the fenced function is traced once, not once per branch.
 """
 
@@ -37,6 +44,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.interpreters import ad, batching, mlir
 
@@ -185,3 +193,77 @@ def pick(default: jax.Array, on: jax.Array, platforms: tuple[str, ...]) -> jax.A
             f"{jnp.shape(on)}."
         )
     return _pick_p.bind(default, on, platforms=tuple(platforms))
+
+
+_one_kernel_p = jex_core.Primitive("lossscale_jax_one_kernel_on_cpu")
+_one_kernel_p.multiple_results = True
+_one_kernel_p.def_impl(_identity)  # eagerly: each value is computed already
+_one_kernel_p.def_abstract_eval(_same_avals)
+
+
+def _one_kernel_batched(args: Any, dims: Any) -> tuple[Any, Any]:
+    return _one_kernel_p.bind(*args), dims
+
+
+def _one_kernel_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
+    return _one_kernel_p.bind(*primals), list(tangents)
+
+
+def _lowest(dtype: Any) -> Any:
+    """The identity of ``max`` (``or`` for bool) in ``dtype``; ``None`` for another kind."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return np.bool_(False)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return np.array(np.iinfo(dtype).min, dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.array(-np.inf, dtype)
+    return None
+
+
+def _max_or(a: Any, b: Any) -> Any:
+    return tuple(
+        jnp.logical_or(x, y) if x.dtype == jnp.bool_ else jnp.maximum(x, y)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _one_kernel(*leaves: Any) -> list[Any]:
+    # max(lowest, x, x) is x, NaN and -0.0 included: the identity, as one reduction per shape
+    # (a variadic reduction's operands share a shape, and its floats a precision: the first
+    # float type takes the integers and flags along). A reduction over one element XLA
+    # rewrites into a reshape, and so drops it; over the value twice it keeps it.
+    out = list(leaves)
+    groups: dict[tuple[tuple[int, ...], Any], list[int]] = {}
+    for i, x in enumerate(leaves):
+        if _lowest(x.dtype) is not None:
+            floating = jnp.issubdtype(x.dtype, jnp.floating)
+            groups.setdefault((tuple(x.shape), x.dtype if floating else None), []).append(i)
+    for shape, precision in list(groups):
+        floats = [k for k in groups if k[0] == shape and k[1] is not None]
+        if precision is None and floats:
+            groups[floats[0]] += groups.pop((shape, None))
+    for where in groups.values():
+        if len(where) < 2:
+            continue
+        stacked = tuple(jnp.stack([leaves[i], leaves[i]]) for i in where)
+        inits = tuple(jnp.asarray(_lowest(leaves[i].dtype)) for i in where)
+        for i, value in zip(where, jax.lax.reduce(stacked, inits, _max_or, (0,)), strict=True):
+            out[i] = value
+    return out
+
+
+batching.primitive_batchers[_one_kernel_p] = _one_kernel_batched
+ad.primitive_jvps[_one_kernel_p] = _one_kernel_jvp
+mlir.register_lowering(_one_kernel_p, lambda ctx, *leaves: list(leaves))  # every platform
+mlir.register_lowering(
+    _one_kernel_p, mlir.lower_fun(_one_kernel, multiple_results=True), platform="cpu"
+)
+
+
+def one_kernel_on_cpu(tree: Any) -> Any:
+    """``tree`` as it is; lowered for the CPU, its leaves of one shape computed by one kernel."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if len(leaves) < 2:
+        return tree
+    return jax.tree_util.tree_unflatten(treedef, _one_kernel_p.bind(*leaves))
