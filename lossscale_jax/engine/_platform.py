@@ -28,11 +28,12 @@ which the compiler resolves before it sees the program.
   carry the branch's order out of it).
 
 - ``one_kernel_on_cpu(tree)``: the identity. Lowered for the CPU, the leaves of one shape are
-  the outputs of one variadic reduction (each leaf stacked with itself and reduced by ``max``,
-  or ``or`` for a flag: the value itself, bit for bit), into which XLA:CPU fuses each leaf's
-  computation; lowered for any other platform, no instruction at all. For the loss-scale
-  state a step returns: XLA:CPU compiles a kernel for each of its scalars otherwise (each
-  output of a program is a kernel of its own there), some 20 ms of the first call apiece.
+  the outputs of one variadic reduction (each leaf stacked with the lowest value of its dtype
+  and reduced by ``max``, or ``or`` for a flag: the value itself, bit for bit), into which
+  XLA:CPU fuses each leaf's computation; lowered for any other platform, no instruction at
+  all. For the loss-scale state a step returns: XLA:CPU compiles a kernel for each of its
+  scalars otherwise (each output of a program is a kernel of its own there), some 20 ms of
+  the first call apiece.
 
 None traces a function twice: the fenced function is traced once, not once per branch.
 """
@@ -229,10 +230,12 @@ def _max_or(a: Any, b: Any) -> Any:
 
 
 def _one_kernel(*leaves: Any) -> list[Any]:
-    # max(lowest, x, x) is x, NaN and -0.0 included: the identity, as one reduction per shape
-    # (a variadic reduction's operands share a shape, and its floats a precision: the first
-    # float type takes the integers and flags along). A reduction over one element XLA
-    # rewrites into a reshape, and so drops it; over the value twice it keeps it.
+    # max(lowest, x, lowest) is x, NaN and -0.0 included: the identity, as one reduction per
+    # shape (a variadic reduction's operands share a shape, and its floats a precision: the
+    # first float type takes the integers and flags along). A reduction over one element XLA
+    # rewrites into a reshape, and so drops it; over the value and the reduction's identity it
+    # keeps it, and its kernel computes the value once (stacked with itself, twice: the
+    # kernel's code held each field's computation twice).
     out = list(leaves)
     groups: dict[tuple[tuple[int, ...], Any], list[int]] = {}
     for i, x in enumerate(leaves):
@@ -246,8 +249,11 @@ def _one_kernel(*leaves: Any) -> list[Any]:
     for where in groups.values():
         if len(where) < 2:
             continue
-        stacked = tuple(jnp.stack([leaves[i], leaves[i]]) for i in where)
         inits = tuple(jnp.asarray(_lowest(leaves[i].dtype)) for i in where)
+        stacked = tuple(
+            jnp.stack([leaves[i], jnp.broadcast_to(low, leaves[i].shape)])
+            for i, low in zip(where, inits, strict=True)
+        )
         for i, value in zip(where, jax.lax.reduce(stacked, inits, _max_or, (0,)), strict=True):
             out[i] = value
     return out
