@@ -86,7 +86,8 @@ class Powers:
             outs, bwd = self._eqn(eqn, [s[0] for s in states], _tracers.transposed(eqn), keys)
             bwd = bwd or any(s[1] for s in states)
             for var, out in zip(eqn.outvars, outs, strict=False):
-                values[var] = (out, bwd)
+                # the scale is the scale, whichever output of its operation is walked first
+                values[var] = (_powers.SCALE, False) if var is self.goal else (out, bwd)
             if key not in values:  # pragma: no cover - a tracer that is no output of its eqn
                 values[key] = (None, bwd)
             stack.pop()

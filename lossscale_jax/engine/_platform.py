@@ -267,6 +267,10 @@ mlir.register_lowering(
 )
 
 
+IDENTITIES: frozenset[str] = frozenset(p.name for p in (_fence_p, _row_major_p, _one_kernel_p))
+"""The primitives here whose each output is its operand, as the wiring check reads them."""
+
+
 def one_kernel_on_cpu(tree: Any) -> Any:
     """``tree`` as it is; lowered for the CPU, its leaves of one shape computed by one kernel."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

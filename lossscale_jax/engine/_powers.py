@@ -46,6 +46,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale_jax.engine._platform import IDENTITIES
+
 Power = int | Fraction  # an int where the power is whole (most): cheap to compare
 Term = tuple[Power, int]
 Alt = frozenset[Term]
@@ -251,7 +253,7 @@ _PER_OPERAND = frozenset(
     {"optimization_barrier", "sort", "device_put", "psum", "pmean", "psum_invariant",
      "psum2", "pmax", "pmin", "ppermute", "pbroadcast", "pvary", "pcast", "all_gather",
      "all_gather_invariant", "all_to_all", "ragged_all_to_all", "psum_scatter",
-     "reduce_scatter", "preduced", "unreduced_psum", "pgather"}
+     "reduce_scatter", "preduced", "unreduced_psum", "pgather"} | IDENTITIES
 )  # fmt: skip
 
 
