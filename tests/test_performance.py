@@ -34,6 +34,7 @@ from helpers import (  # tests/ is on sys.path under pytest
 )
 
 import lossscale_jax as lsj
+from lossscale_jax.engine import _engine
 from lossscale_jax.engine._platform import one_kernel_on_cpu
 from lossscale_jax.errors import Float16OptimizerWarning
 
@@ -244,20 +245,22 @@ def test_the_optax_paths_skip_branch_builds_no_update():
 
 @cpu_hlo
 @pytest.mark.parametrize("policy", [lsj.DynamicScale(), lsj.HeadroomScale()], ids=type)
-def test_the_steps_loss_scale_state_is_one_kernel(policy):
+def test_the_steps_loss_scale_state_is_one_kernel(policy, monkeypatch):
     """XLA:CPU computes the loss-scale state a step returns in one kernel (a variadic
     reduction of its twelve fields, ``engine/_platform.one_kernel_on_cpu``), not a kernel per
     field, each some 20 ms of the first call's compile: on the Optax path and the fused step,
-    the same state as the step without it, bit for bit (a good step and an overflowing one)."""
+    the same state as the step compiled without it, bit for bit (a good step and an
+    overflowing one)."""
     rng = np.random.default_rng(4)
     params = _params(rng, jnp.float32)
     grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.float16), params)
+    inf = jax.tree_util.tree_map(lambda x: x.at[0].set(jnp.inf), grads)
     inner = optax.adam(1e-3)
     tx = lsj.loss_scaling(inner, policy)
     n_fields = len(jax.tree_util.tree_leaves(tx.init(params).loss_scale))
-    for name, (fn, init) in _steps(tx, inner).items():
-        if name == "plain":
-            continue
+    steps = {k: v for k, v in _steps(tx, inner).items() if k != "plain"}
+    states = {}
+    for name, (fn, init) in steps.items():
         comps, entry = hlo.parse_hlo(_compile(fn, init, params, grads).as_text())
         fields = [
             i["shape"].count("[]")
@@ -265,14 +268,16 @@ def test_the_steps_loss_scale_state_is_one_kernel(policy):
             if i["op"] == "fusion" and i["shape"].startswith("(")
         ]
         assert max(fields) >= n_fields, (name, fields)  # the state's, and the step's apply
-        states = []
-        inf = jax.tree_util.tree_map(lambda x: x.at[0].set(jnp.inf), grads)
-        for g in (grads, inf):
-            step = jax.jit(fn)  # not donated: the inputs are read again below
-            states.append(step(params, init(params), g)[1].loss_scale)
-            with jax.disable_jit():  # op by op: no program, nothing packed
-                assert_bits_equal(states[-1], fn(params, init(params), g)[1].loss_scale)
-        assert bool(states[1].last_overflow) and not bool(states[0].last_overflow)
+        step = jax.jit(fn)  # not donated: the inputs are read again
+        states[name] = [step(params, init(params), g)[1].loss_scale for g in (grads, inf)]
+        assert bool(states[name][1].last_overflow) and not bool(states[name][0].last_overflow)
+    monkeypatch.setattr(_engine, "one_kernel_on_cpu", lambda tree: tree)  # a kernel a field
+    jax.clear_caches()  # the steps traced again, without it
+    for name, (fn, init) in steps.items():
+        step = jax.jit(fn)
+        assert "one_kernel" not in str(step.trace(params, init(params), grads).jaxpr), name
+        for got, g in zip(states[name], (grads, inf), strict=True):
+            assert_bits_equal(got, step(params, init(params), g)[1].loss_scale, name)
 
 
 @cpu_hlo
