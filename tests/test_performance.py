@@ -1182,26 +1182,17 @@ def test_first_call_benchmark_counts_the_kernels_xla_cpu_compiles():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def scalars(n):
+    def scalars(n, wrap=lambda outs: outs):
         def f(x, flag):
-            return tuple(jnp.where(flag, x * (i + 2.0) + i, x - 3.0 * i) for i in range(n))
+            return wrap(tuple(jnp.where(flag, x * (i + 2.0) + i, x - 3.0 * i) for i in range(n)))
 
         jax.clear_caches()
         return bench.compiled_kernels(jax.jit(f).lower(jnp.float32(3), jnp.bool_(True)))
 
     one = scalars(1)  # once: compiled again in this process, it recorded no kernel event
     assert scalars(6) - one == 5
-
-    def one_kernel(n):  # the same six through engine/_platform.one_kernel_on_cpu: one kernel
-        def f(x, flag):
-            return one_kernel_on_cpu(
-                tuple(jnp.where(flag, x * (i + 2.0) + i, x - 3.0 * i) for i in range(n))
-            )
-
-        jax.clear_caches()
-        return bench.compiled_kernels(jax.jit(f).lower(jnp.float32(3), jnp.bool_(True)))
-
-    assert one_kernel(6) == one
+    # the same six through engine/_platform.one_kernel_on_cpu: one kernel
+    assert scalars(6, one_kernel_on_cpu) == one
     plain, optax_path, fused = (bench.kernels(v, "tiny") for v in ("plain", "optax", "fused"))
     assert plain < fused <= optax_path, (plain, fused, optax_path)
 

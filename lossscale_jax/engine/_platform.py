@@ -52,36 +52,34 @@ from jax.interpreters import ad, batching, mlir
 GPUS: tuple[str, ...] = ("cuda", "rocm")
 """XLA:GPU's platforms (JAX's names for them)."""
 
-_fence_p = jex_core.Primitive("lossscale_jax_fence_on_cpu")
-_fence_p.multiple_results = True
 
-
-@_fence_p.def_impl
 def _identity(*leaves: Any) -> list[Any]:
-    return list(leaves)  # run eagerly, op by op: nothing is fused, nothing to fence
+    return list(leaves)
 
 
-@_fence_p.def_abstract_eval
-def _same_avals(*avals: Any) -> list[Any]:
-    return list(avals)  # shapes, dtypes and (under shard_map) what varies: as they were
+def _identity_primitive(name: str) -> Any:
+    """A primitive whose each output is its operand: eagerly (op by op, nothing is fused,
+    laid out or fenced), in its avals (shapes, dtypes and, under shard_map, what varies),
+    batched and differentiated (the tangents pass as they are: nothing here is a rounding),
+    and lowered for every platform with no instruction; a platform's own lowering is
+    registered beside it."""
+    prim = jex_core.Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(_identity)
+    prim.def_abstract_eval(_identity)
+    batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), dims)
+    ad.primitive_jvps[prim] = lambda primals, tangents: (prim.bind(*primals), list(tangents))
+    mlir.register_lowering(prim, lambda ctx, *leaves: list(leaves))
+    return prim
 
 
-def _fence_batched(args: Any, dims: Any) -> tuple[Any, Any]:
-    return _fence_p.bind(*args), dims
-
-
-def _fence_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
-    # The tangents pass unfenced: nothing here is a rounding the barrier keeps apart.
-    return _fence_p.bind(*primals), list(tangents)
+_fence_p = _identity_primitive("lossscale_jax_fence_on_cpu")
 
 
 def _barrier(*leaves: Any) -> list[Any]:
     return list(jax.lax.optimization_barrier(list(leaves)))
 
 
-batching.primitive_batchers[_fence_p] = _fence_batched
-ad.primitive_jvps[_fence_p] = _fence_jvp
-mlir.register_lowering(_fence_p, lambda ctx, *leaves: list(leaves))  # every platform
 mlir.register_lowering(_fence_p, mlir.lower_fun(_barrier, multiple_results=True), platform="cpu")
 
 
@@ -93,18 +91,7 @@ def fence_on_cpu(tree: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, _fence_p.bind(*leaves))
 
 
-_row_major_p = jex_core.Primitive("lossscale_jax_row_major_on_cpu")
-_row_major_p.multiple_results = True
-_row_major_p.def_impl(_identity)  # eagerly: arrays are row-major already
-_row_major_p.def_abstract_eval(_same_avals)
-
-
-def _row_major_batched(args: Any, dims: Any) -> tuple[Any, Any]:
-    return _row_major_p.bind(*args), dims
-
-
-def _row_major_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
-    return _row_major_p.bind(*primals), list(tangents)
+_row_major_p = _identity_primitive("lossscale_jax_row_major_on_cpu")
 
 
 def _row_major(*leaves: Any) -> list[Any]:
@@ -114,9 +101,6 @@ def _row_major(*leaves: Any) -> list[Any]:
     ]
 
 
-batching.primitive_batchers[_row_major_p] = _row_major_batched
-ad.primitive_jvps[_row_major_p] = _row_major_jvp
-mlir.register_lowering(_row_major_p, lambda ctx, *leaves: list(leaves))  # every platform
 _row_major_rule = mlir.lower_fun(_row_major, multiple_results=True)
 
 
@@ -196,18 +180,7 @@ def pick(default: jax.Array, on: jax.Array, platforms: tuple[str, ...]) -> jax.A
     return _pick_p.bind(default, on, platforms=tuple(platforms))
 
 
-_one_kernel_p = jex_core.Primitive("lossscale_jax_one_kernel_on_cpu")
-_one_kernel_p.multiple_results = True
-_one_kernel_p.def_impl(_identity)  # eagerly: each value is computed already
-_one_kernel_p.def_abstract_eval(_same_avals)
-
-
-def _one_kernel_batched(args: Any, dims: Any) -> tuple[Any, Any]:
-    return _one_kernel_p.bind(*args), dims
-
-
-def _one_kernel_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
-    return _one_kernel_p.bind(*primals), list(tangents)
+_one_kernel_p = _identity_primitive("lossscale_jax_one_kernel_on_cpu")
 
 
 def _lowest(dtype: Any) -> Any:
@@ -259,9 +232,6 @@ def _one_kernel(*leaves: Any) -> list[Any]:
     return out
 
 
-batching.primitive_batchers[_one_kernel_p] = _one_kernel_batched
-ad.primitive_jvps[_one_kernel_p] = _one_kernel_jvp
-mlir.register_lowering(_one_kernel_p, lambda ctx, *leaves: list(leaves))  # every platform
 mlir.register_lowering(
     _one_kernel_p, mlir.lower_fun(_one_kernel, multiple_results=True), platform="cpu"
 )
