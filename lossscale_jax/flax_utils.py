@@ -24,6 +24,7 @@ from flax.training import train_state
 
 from lossscale_jax.access._rollback import keep_where, outcome
 from lossscale_jax.engine._engine import engine_of
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._opt_states import (
     LayerwiseScalingState,
     LossScalingState,
@@ -79,7 +80,7 @@ def _advance(step: Any, outcome: StepOutcome, count_skipped: bool) -> jax.Array:
     step = jnp.asarray(step)
     one = jnp.ones([], step.dtype)
     counts = outcome.completed if count_skipped else outcome.applied
-    return jnp.where(counts, step + one, step)
+    return where(counts, step + one, step)
 
 
 class TrainState(train_state.TrainState):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from lossscale_jax.engine._nesting import prepare_inner
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._opt_states import MasterWeightsState
 
 __all__ = ["MasterWeightsState", "master_weights"]
@@ -91,7 +92,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
             if m is None:
                 return p
             fresh = p.astype(jnp.float32)
-            return jnp.where(m.astype(p.dtype) == p, m, fresh)
+            return where(m.astype(p.dtype) == p, m, fresh)
 
         return jax.tree_util.tree_map(leaf, params, master, is_leaf=lambda x: x is None)
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from lossscale_jax.engine._division import ratio_of_counts
 from lossscale_jax.engine._nesting import locate
+from lossscale_jax.engine._ops import where
 
 
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
@@ -85,7 +86,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     """
     s, owner = locate(opt_state)
     # Rounded once, with integer operations: the same bits on every backend (_division).
-    rate = jnp.where(
+    rate = where(
         s.total_steps > 0, ratio_of_counts(s.overflow_steps, s.total_steps), jnp.float32(0.0)
     )
     out = {
@@ -107,7 +108,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         if record.shape[-1] == 0:
             first = jnp.full(count.shape, -1, jnp.int32)
         else:
-            first = jnp.where(count > 0, jnp.argmax(record, axis=-1), -1).astype(jnp.int32)
+            first = where(count > 0, jnp.argmax(record, axis=-1), -1).astype(jnp.int32)
         out["overflow_leaves"] = count
         out["first_overflow_leaf"] = first
     return out

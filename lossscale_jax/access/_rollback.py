@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from lossscale_jax.engine._nesting import locate
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._opt_states import StepOutcome, step_outcome
 from lossscale_jax.errors import StateNotFoundError
 
@@ -43,7 +43,7 @@ def keep_where(name: str, discard: jax.Array, old: Any, new: Any) -> Any:
             f"{new_def} differs from the stored one {old_def}. Create the state with an "
             f"initial {name} (or pass rollback_on_skip=False)."
         )
-    return jax.tree_util.tree_map(lambda o, n: jnp.where(discard, o, n), old, new)
+    return jax.tree_util.tree_map(lambda o, n: where(discard, o, n), old, new)
 
 
 def rollback_if_skipped(opt_state: Any, before: Any, after: Any) -> Any:

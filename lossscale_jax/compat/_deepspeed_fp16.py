@@ -29,6 +29,7 @@ from lossscale_jax.compat._common import (
     _saved_int,
     _saved_scale,
 )
+from lossscale_jax.engine._ops import where
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, StaticScale
 from lossscale_jax.transform import loss_scaling
 
@@ -68,7 +69,7 @@ class _FP16OptimizerScale(policies.DynamicScale):
             jnp.logical_not(jnp.asarray(overflow, jnp.bool_)),
             state.growth_count >= self.growth_interval - 1,
         )
-        return new.replace(growth_count=jnp.where(grew, jnp.ones([], jnp.int32), new.growth_count))
+        return new.replace(growth_count=where(grew, jnp.ones([], jnp.int32), new.growth_count))
 
 
 _DYNAMIC_LOSS_ARGS = ("init_scale", "scale_window", "min_scale")

@@ -20,6 +20,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from lossscale_jax.compat._common import _TINY, _int, _number
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._ratio import RatioThreshold
 from lossscale_jax.engine._state import (
     I32_MAX,
@@ -165,7 +166,7 @@ class FairseqScale(LossScalePolicy):
         zero = jnp.zeros([], i32)
         window = jnp.asarray(self.scale_window, i32)
         if self.metaseq:
-            window = jnp.where(state.hysteresis_count > 0, state.hysteresis_count, window)
+            window = where(state.hysteresis_count > 0, state.hysteresis_count, window)
 
         # Overflow branch.
         if own is None:
@@ -177,7 +178,7 @@ class FairseqScale(LossScalePolicy):
         new = scale / factor
         if self.threshold is not None:
             new = jnp.maximum(new, jnp.asarray(self.threshold, f32))
-        new = jnp.where(backoff, new, scale)
+        new = where(backoff, new, scale)
         if self.metaseq:
             too_low = new < jnp.asarray(max(_f32_above(self.min_loss_scale), _TINY), f32)
         else:
@@ -185,13 +186,13 @@ class FairseqScale(LossScalePolicy):
                 new <= jnp.asarray(_f32_below(self.min_loss_scale), f32),
                 new < jnp.asarray(_TINY, f32),
             )
-        bad_scale = jnp.where(too_low, scale, new)
+        bad_scale = where(too_low, scale, new)
         pinned = jnp.logical_and(backoff, jnp.logical_not(bad_scale < scale))
         # fairseq raises FloatingPointError at its minimum, whether or not it backed off.
         stuck = pinned if self.metaseq else jnp.logical_or(pinned, too_low)
         factor_i = int(self.scale_factor)  # metaseq's factor is a whole number (checked)
         halved = jnp.maximum(window // factor_i, 1).astype(i32)
-        bad_window = jnp.where(backoff, halved, window)
+        bad_window = where(backoff, halved, window)
 
         # Good branch.
         good = safe_increment(jnp.maximum(state.growth_count, zero))
@@ -199,34 +200,34 @@ class FairseqScale(LossScalePolicy):
         grow = good % window == 0 if self.metaseq else good >= window
         grown = scale * factor
         grow_ok = jnp.logical_and(grow, jnp.isfinite(grown))
-        good_scale = jnp.where(grow_ok, grown, scale)
+        good_scale = where(grow_ok, grown, scale)
         if self.metaseq:
-            wider = jnp.where(window > I32_MAX // factor_i, I32_MAX, window * factor_i)
-            good_window = jnp.where(grow_ok, wider, window).astype(i32)
-            hyst = jnp.where(overflow, bad_window, good_window)
+            wider = where(window > I32_MAX // factor_i, I32_MAX, window * factor_i)
+            good_window = where(grow_ok, wider, window).astype(i32)
+            hyst = where(overflow, bad_window, good_window)
             good_count = good
         else:
             hyst = zero
-            good_count = jnp.where(grow, zero, good)
+            good_count = where(grow, zero, good)
 
         changes: dict[str, Any] = {}
         if own is not None:
-            rescaled = jnp.where(overflow, backoff, grow)
+            rescaled = where(overflow, backoff, grow)
             one = jnp.ones([], i32)
             changes["policy_state"] = {
-                _ITERS: jnp.where(rescaled, one, safe_increment(own[_ITERS])),
-                _OVERFLOWS: jnp.where(
-                    overflow, jnp.where(backoff, zero, seen), own[_OVERFLOWS]
-                ).astype(i32),
+                _ITERS: where(rescaled, one, safe_increment(own[_ITERS])),
+                _OVERFLOWS: where(overflow, where(backoff, zero, seen), own[_OVERFLOWS]).astype(
+                    i32
+                ),
             }
-        new_scale = jnp.where(overflow, bad_scale, good_scale)
+        new_scale = where(overflow, bad_scale, good_scale)
         return record_step(
             state,
             overflow,
             overflow,
             stuck=jnp.logical_and(overflow, stuck),
             scale=new_scale,
-            growth_count=jnp.where(overflow, zero, good_count),
+            growth_count=where(overflow, zero, good_count),
             hysteresis_count=hyst,
             **changes,
         )
@@ -241,4 +242,4 @@ class FairseqScale(LossScalePolicy):
         state = keep_policy_state(state, self._fresh_own())
         scale = state.scale
         ok = jnp.logical_and(jnp.isfinite(scale), scale > 0)
-        return with_scale(state, jnp.where(ok, scale, jnp.asarray(self.init_scale, jnp.float32)))
+        return with_scale(state, where(ok, scale, jnp.asarray(self.init_scale, jnp.float32)))

@@ -29,6 +29,7 @@ from lossscale_jax.compat._common import (
     _int,
     _number,
 )
+from lossscale_jax.engine._ops import where
 from lossscale_jax.numerics import OverflowMode
 from lossscale_jax.policies import LossScalePolicy, LossScaleState, StaticScale
 from lossscale_jax.transform import AxisName, loss_scaling
@@ -85,7 +86,7 @@ class _NpuExponentialUpdate(policies.DynamicScale):
         refused = jnp.logical_and(
             jnp.logical_not(jnp.asarray(overflow, jnp.bool_)), state.scale >= limit
         )
-        return new.replace(scale=jnp.where(refused, state.scale, new.scale))
+        return new.replace(scale=where(refused, state.scale, new.scale))
 
 
 def ExponentialUpdateLossScaleManager(

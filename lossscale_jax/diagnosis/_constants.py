@@ -1,4 +1,4 @@
-"""Constants that the float16 program turns into inf: ``jnp.where(mask, x, -2.38e38)``.
+"""Constants that the float16 program turns into inf: ``where(mask, x, -2.38e38)``.
 
 A mask written with a constant beyond float16's range, such as float32's lowest value
 (-3.4e38) or -1e9, is -inf once converted to float16; a fully masked row's softmax is then

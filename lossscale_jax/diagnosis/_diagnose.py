@@ -25,6 +25,7 @@ from lossscale_jax.diagnosis._report import (
     summarize,
 )
 from lossscale_jax.engine._check import is_float
+from lossscale_jax.engine._ops import where
 from lossscale_jax.taps import Modules, _upcast, discover
 from lossscale_jax.taps._tapping import validate_modules
 
@@ -64,11 +65,11 @@ def _reference_stats(g32: list[jax.Array]) -> tuple[jax.Array, ...]:
         a = jnp.abs(g.astype(jnp.float32)).ravel()
         nonzero = _significant(g).ravel()
         maxes.append(jnp.max(a, initial=0.0))
-        mins.append(jnp.min(jnp.where(nonzero, a, big), initial=big))
+        mins.append(jnp.min(where(nonzero, a, big), initial=big))
         counts.append(jnp.sum(nonzero, dtype=jnp.int32))
-        exponent = jnp.frexp(jnp.where(nonzero, a, 1.0))[1] - 1  # floor(log2|g|)
+        exponent = jnp.frexp(where(nonzero, a, 1.0))[1] - 1  # floor(log2|g|)
         bins = j * _N_BINS + jnp.clip(exponent - LOG2_MIN, 0, _N_BINS - 1)
-        index.append(jnp.where(nonzero, bins, dump))
+        index.append(where(nonzero, bins, dump))
     hist = jnp.bincount(jnp.concatenate(index), length=dump + 1)[:-1]
     return (
         jnp.stack(maxes),

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lossscale_jax.engine._ops import isinf, where
+
 OverflowMode = Literal["ieee", "saturating", "both"]
 OVERFLOW_MODES: tuple[OverflowMode, ...] = ("ieee", "saturating", "both")
 
@@ -89,12 +91,12 @@ def predicates(g: jax.Array, mode: str, threshold: float) -> tuple[jax.Array, ja
     group variadic (see ``leaf_flags``), neither provably redundant to XLA.
     """
     if mode == "ieee":
-        return jnp.isinf(g), jnp.isnan(g)
+        return isinf(g), jnp.isnan(g)
     magnitude = jnp.abs(g)
     with np.errstate(over="ignore"):  # finfo(float32).max is inf in float16: only inf is caught
         limit = np.asarray(threshold).astype(g.dtype)
     if mode == "saturating":
-        return jnp.logical_and(magnitude >= limit, jnp.isfinite(g)), jnp.isinf(g)
+        return jnp.logical_and(magnitude >= limit, jnp.isfinite(g)), isinf(g)
     return magnitude >= limit, jnp.isnan(g)
 
 
@@ -132,9 +134,7 @@ def coded_magnitude(g: jax.Array, mode: str) -> jax.Array:
     value; see ``flag_of``), the range the max itself, finite on a leaf that did not overflow.
     """
     mag = magnitude(g)
-    return jnp.where(
-        jnp.isnan(g), jnp.asarray(0.0 if mode == "saturating" else np.inf, mag.dtype), mag
-    )
+    return where(jnp.isnan(g), jnp.asarray(0.0 if mode == "saturating" else np.inf, mag.dtype), mag)
 
 
 def flag_of(peak: jax.Array, mode: str, threshold: float) -> jax.Array:

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale_jax.engine._ops import where
+
 MAX_COUNT = 2**12 - 1
 """The largest divisor :func:`divide_by_count` rounds exactly."""
 
@@ -69,7 +71,7 @@ def _moved(q: jax.Array, ulps: int) -> jax.Array:
     moved = q
     for _ in range(abs(ulps)):
         moved = jnp.nextafter(moved, toward)
-    return jnp.where(jnp.abs(q) < TINY, q, moved)
+    return where(jnp.abs(q) < TINY, q, moved)
 
 
 def _remainder(a: jax.Array, q: jax.Array, n: jax.Array) -> jax.Array:
@@ -98,11 +100,11 @@ def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
         err = jnp.abs(_remainder(a, c, n))
         even = (jax.lax.bitcast_convert_type(c, jnp.uint32) & 1) == 0
         better = (err < best_err) | ((err == best_err) & even)
-        best, best_err = jnp.where(better, c, best), jnp.where(better, err, best_err)
+        best, best_err = where(better, c, best), where(better, err, best_err)
     corrected = best
     # Near zero the neighbours are subnormal, which XLA:CPU flushes to zero: keep q there
     # (0 itself is exact; a rate below 2**-100 is never read for its last bit).
-    return jnp.where(jnp.abs(q) < TINY, q, corrected)
+    return where(jnp.abs(q) < TINY, q, corrected)
 
 
 def divide_by_count(a: jax.Array, n: jax.Array, q: jax.Array | None = None) -> jax.Array:
@@ -154,14 +156,14 @@ def ratio_of_counts(a: jax.Array, n: jax.Array) -> jax.Array:
     s = (jax.lax.clz(safe_a) - jax.lax.clz(big_n)).astype(u32)
     r = jnp.left_shift(safe_a, s)
     low = r < big_n
-    r = jnp.where(low, jnp.left_shift(r, u32(1)), r)
-    s = jnp.where(low, s + u32(1), s)
+    r = where(low, jnp.left_shift(r, u32(1)), r)
+    s = where(low, s + u32(1), s)
     r = r - big_n
     bits = jnp.ones_like(r)
     for _ in range(_SIGNIFICAND_BITS):
         r = jnp.left_shift(r, u32(1))
         bit = r >= big_n
-        r = jnp.where(bit, r - big_n, r)
+        r = where(bit, r - big_n, r)
         bits = jnp.left_shift(bits, u32(1)) | bit.astype(u32)
     m, round_bit = jnp.right_shift(bits, u32(1)), (bits & u32(1)) == 1
     up = round_bit & ((r != 0) | ((m & u32(1)) == 1))
@@ -169,4 +171,4 @@ def ratio_of_counts(a: jax.Array, n: jax.Array) -> jax.Array:
     # 2**-(s + 23) for s <= 32: a normal float32, built from its exponent bits.
     scale = jax.lax.bitcast_convert_type((u32(127 - 23) - s) << u32(23), f32)
     exact = m.astype(f32) * scale
-    return jnp.where(big_a == 0, f32(0.0), jnp.where(big_a <= big_n, exact, a_f / n_f))
+    return where(big_a == 0, f32(0.0), where(big_a <= big_n, exact, a_f / n_f))

@@ -27,6 +27,7 @@ import numpy as np
 from lossscale_jax.engine import _skip
 from lossscale_jax.engine._devices import varying_axes
 from lossscale_jax.engine._engine import Engine
+from lossscale_jax.engine._ops import where
 
 
 def skip_updates(shapes: Any) -> Any:
@@ -91,7 +92,7 @@ def inner_or_skip(
         return updates, inner_state
     leaves, tree = jax.tree_util.tree_flatten(updates)
     leaves = [
-        jnp.where(apply, u, _skip_leaf(u)) if p else u for u, p in zip(leaves, passed, strict=True)
+        where(apply, u, _skip_leaf(u)) if p else u for u, p in zip(leaves, passed, strict=True)
     ]
     return jax.tree_util.tree_unflatten(tree, leaves), inner_state
 

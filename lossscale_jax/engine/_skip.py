@@ -74,6 +74,7 @@ import jax.numpy as jnp
 
 from lossscale_jax.engine import _devices
 from lossscale_jax.engine._devices import match_varying
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._platform import fence_on_cpu, row_major_on_cpu
 
 FORMULATIONS = ("cond", "select")
@@ -175,7 +176,7 @@ def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *op
     # Selected on the skip (not(apply): the policy's last_skipped, the negation folded away), so
     # that no kernel of its own negates the decision for the leaves' selects (XLA:GPU).
     skipped = jnp.logical_not(pred)
-    return jax.tree_util.tree_map(lambda g, s: jnp.where(skipped, s, g), good, skip)
+    return jax.tree_util.tree_map(lambda g, s: where(skipped, s, g), good, skip)
 
 
 def has_effects(fun: Callable[..., Any], *operands: Any) -> bool:

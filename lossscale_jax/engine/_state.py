@@ -15,6 +15,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from lossscale_jax.engine._division import divide_by_count
+from lossscale_jax.engine._ops import where
 
 F32_MAX = float(np.finfo(np.float32).max)
 I32_MAX = int(np.iinfo(np.int32).max)
@@ -187,11 +188,11 @@ def is_loss_scale_state(x: Any) -> bool:
 
 def safe_increment(count: jax.Array) -> jax.Array:
     """``count + 1`` for int32 counters, saturating at the largest int32."""
-    return jnp.where(count < I32_MAX, count + 1, count).astype(jnp.int32)
+    return where(count < I32_MAX, count + 1, count).astype(jnp.int32)
 
 
 def increment_if(flag: jax.Array, count: jax.Array) -> jax.Array:
-    return jnp.where(flag, safe_increment(count), count)
+    return where(flag, safe_increment(count), count)
 
 
 def recent_rate(
@@ -220,11 +221,11 @@ def recent_rate(
     # into a product by its reciprocal), then the one the step keeps corrected: one
     # correction (some 140 scalar operations, much of the step's compile time on XLA:CPU)
     # instead of two, and the same bits, the correction being elementwise.
-    q = jnp.where(in_mean, steps / counted.astype(f32), delta / f32(RECENT_STEPS))
-    a = jnp.where(in_mean, steps, delta)
-    n = jnp.where(in_mean, counted, jnp.int32(RECENT_STEPS))
+    q = where(in_mean, steps / counted.astype(f32), delta / f32(RECENT_STEPS))
+    a = where(in_mean, steps, delta)
+    n = where(in_mean, counted, jnp.int32(RECENT_STEPS))
     kept = divide_by_count(a, n, q)
-    return jnp.where(in_mean, kept, rate + kept)
+    return where(in_mean, kept, rate + kept)
 
 
 def record_step(
@@ -257,7 +258,7 @@ def clamp(scale: jax.Array, min_scale: float, max_scale: float) -> jax.Array:
     """
     lo = jnp.asarray(min_scale, jnp.float32)
     hi = jnp.asarray(min(max_scale, F32_MAX), jnp.float32)
-    return jnp.where(scale >= lo, jnp.minimum(scale, hi), lo)
+    return where(scale >= lo, jnp.minimum(scale, hi), lo)
 
 
 def with_scale(state: LossScaleState, scale: ArrayLike) -> LossScaleState:
@@ -272,8 +273,8 @@ def with_scale(state: LossScaleState, scale: ArrayLike) -> LossScaleState:
     zero = jnp.zeros([], jnp.int32)
     return state.replace(
         scale=scale,
-        growth_count=jnp.where(moved, zero, state.growth_count),
-        hysteresis_count=jnp.where(moved, zero, state.hysteresis_count),
+        growth_count=where(moved, zero, state.growth_count),
+        hysteresis_count=where(moved, zero, state.hysteresis_count),
     )
 
 
@@ -299,5 +300,5 @@ def unlanded_step(
         before = before.replace(policy_state=adjusted.policy_state)
     true = jnp.ones([], jnp.bool_)
     kept = record_step(before, overflow, true, true)
-    state = jax.tree_util.tree_map(lambda k, a: jnp.where(unlanded, k, a), kept, adjusted)
+    state = jax.tree_util.tree_map(lambda k, a: where(unlanded, k, a), kept, adjusted)
     return state, unlanded

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale_jax.engine._ops import where
+
 USES, MAX, NONFINITE, NONZERO, UNDERFLOW, SIZE, FWD_MAX, FWD_NONFINITE, FWD_SIZE = range(9)
 HEAD = 9
 # frexp exponents of finite nonzero float32 magnitudes: -148 (2**-149) to 128 (below 2**128).
@@ -68,7 +70,7 @@ def _abs32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     limit = rounds_to_inf(x.dtype)
     if limit != float("inf"):
         finite = jnp.logical_and(finite, a < F32(limit))
-    return jnp.where(finite, a, F32(0.0)), finite
+    return where(finite, a, F32(0.0)), finite
 
 
 def measure_backward(ct: jax.Array) -> jax.Array:
@@ -213,8 +215,8 @@ class TapStats:
         for n, v in zip(self.names, self.values, strict=True):
             seen = v[..., HEAD:] > 0
             top = N_BUCKETS - 1 - jnp.argmax(seen[..., ::-1], axis=-1)
-            bound = jnp.where(jnp.any(seen, axis=-1), jnp.ldexp(F32(1.0), top + EXP_MIN), F32(0.0))
-            out[n] = jnp.where(v[..., USES] <= 1, v[..., MAX], jnp.minimum(v[..., MAX], bound))
+            bound = where(jnp.any(seen, axis=-1), jnp.ldexp(F32(1.0), top + EXP_MIN), F32(0.0))
+            out[n] = where(v[..., USES] <= 1, v[..., MAX], jnp.minimum(v[..., MAX], bound))
         return out
 
     def nonfinite(self) -> dict[str, jax.Array]:

@@ -14,6 +14,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from lossscale_jax.engine._check import at_least_float32, is_float
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._wiring import refuse_non_float
 
 
@@ -76,7 +77,7 @@ def inverse(scale: ArrayLike) -> jax.Array:
     For a valid scale the value is exactly ``1 / scale``.
     """
     scale = valid_scale(scale)
-    return jnp.where(scale_is_bad(scale), jnp.float32(jnp.nan), 1.0 / scale)
+    return where(scale_is_bad(scale), jnp.float32(jnp.nan), 1.0 / scale)
 
 
 def unscale_tree(grads: Any, scale: ArrayLike, params: Any = None) -> Any:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale_jax.engine._check import at_least_float32, is_float
+from lossscale_jax.engine._ops import where
 
 
 def acc_zeros(p: Any) -> jax.Array:
@@ -33,7 +34,7 @@ def add_good(acc: Any, grads: Any, overflow: jax.Array) -> Any:
     def add(a: jax.Array, g: Any) -> jax.Array:
         if not is_float(g):
             return a
-        return jnp.where(overflow, a, a + g.astype(a.dtype))
+        return where(overflow, a, a + g.astype(a.dtype))
 
     return jax.tree_util.tree_map(add, acc, grads)
 

@@ -26,6 +26,7 @@ from lossscale_jax.engine._engine import (
 from lossscale_jax.engine._inner_skip import inner_or_skip, skip_updates
 from lossscale_jax.engine._landing import land_first, unscale_targets, warn_float16_inner
 from lossscale_jax.engine._nesting import refuse_nested_state
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._opt_states import LayerScales, LayerWindow, LayerwiseScalingState
 from lossscale_jax.engine._state import (
     LossScaleState,
@@ -99,22 +100,22 @@ class LayerwiseStep:
         n, policy = self.n, self.policy
         overflow = check.overflow
         index = jnp.arange(n + 1)
-        flagged = jnp.where(check.segments, index, -1)
-        culprit = jnp.where(jnp.any(check.segments), jnp.max(flagged), n)
+        flagged = where(check.segments, index, -1)
+        culprit = where(jnp.any(check.segments), jnp.max(flagged), n)
         segs = _segment_states(state.layers)
         bad = jax.vmap(lambda s: policy.adjust(s, True, jnp.float32(jnp.inf)))(segs)
         good = jax.vmap(policy.adjust)(segs, jnp.zeros([n + 1], bool), check.amax)
         hit = jnp.logical_and(overflow, index == culprit)
 
         def pick(b: jax.Array, g: jax.Array, old: jax.Array) -> jax.Array:
-            return jnp.where(hit, b, jnp.where(overflow, old, g))
+            return where(hit, b, where(overflow, old, g))
 
         new = LayerScales(
             scale=pick(bad.scale, good.scale, state.layers.scale),
             range_peak=pick(bad.range_peak, good.range_peak, state.layers.range_peak),
             margin=pick(bad.margin, good.margin, state.layers.margin),
             growth_count=pick(bad.growth_count, good.growth_count, state.layers.growth_count),
-            overflow_steps=jnp.where(
+            overflow_steps=where(
                 hit, state.layers.overflow_steps + 1, state.layers.overflow_steps
             ).astype(jnp.int32),
         )
@@ -133,7 +134,7 @@ class LayerwiseStep:
         loss_scale, unlanded = unlanded_step(state.loss_scale, loss_scale, overflow, check.unlanded)
         if unlanded is not None:  # an update that cannot land: no segment's scale moves
             new = jax.tree_util.tree_map(
-                lambda old, moved: jnp.where(unlanded, old, moved), state.layers, new
+                lambda old, moved: where(unlanded, old, moved), state.layers, new
             )
         # outside the skip (Engine.decide)
         _stuck.check_stuck(loss_scale, self.engine.on_stuck, when, unlanded, check.float16_leaves)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from lossscale_jax.engine import _hyper
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._policy import LossScalePolicy, as_overflow
 from lossscale_jax.engine._state import (
     LossScaleState,
@@ -159,8 +160,8 @@ class DynamicScale(LossScalePolicy):
         backed_off = jnp.maximum(
             scale * jnp.asarray(self.backoff_factor, f32), jnp.asarray(self.min_scale, f32)
         )
-        bad_scale = jnp.where(backoff, backed_off, scale)
-        bad_hyst = hyst_bad if self.sticky_hysteresis else jnp.where(backoff, zero, hyst_bad)
+        bad_scale = where(backoff, backed_off, scale)
+        bad_hyst = hyst_bad if self.sticky_hysteresis else where(backoff, zero, hyst_bad)
 
         # Good branch.
         growth_good = safe_increment(state.growth_count)
@@ -168,24 +169,24 @@ class DynamicScale(LossScalePolicy):
         grown = scale * jnp.asarray(self.growth_factor, f32)
         capped = jnp.minimum(grown, jnp.asarray(self.max_scale, f32))
         if self.growth_overflow == "refuse":
-            capped = jnp.where(jnp.isfinite(grown), capped, scale)
-        good_scale = jnp.where(grow, capped, scale)
-        good_growth = jnp.where(grow, zero, growth_good)
+            capped = where(jnp.isfinite(grown), capped, scale)
+        good_scale = where(grow, capped, scale)
+        good_growth = where(grow, zero, growth_good)
         keep_hyst = jnp.logical_and(jnp.logical_not(grow), not self.consecutive_hysteresis)
-        good_hyst = jnp.where(keep_hyst, state.hysteresis_count, zero)
+        good_hyst = where(keep_hyst, state.hysteresis_count, zero)
 
         at_floor = scale <= jnp.asarray(self.min_scale, f32)
         if self.sticky_hysteresis:
             at_floor = jnp.logical_and(at_floor, backoff)
-        new_scale = jnp.where(overflow, bad_scale, good_scale)
+        new_scale = where(overflow, bad_scale, good_scale)
         return record_step(
             state,
             overflow,
             overflow,
             stuck=jnp.logical_and(overflow, at_floor),
             scale=clamp(new_scale, self.min_scale, self.max_scale),
-            growth_count=jnp.where(overflow, zero, good_growth),
-            hysteresis_count=jnp.where(overflow, bad_hyst, good_hyst),
+            growth_count=where(overflow, zero, good_growth),
+            hysteresis_count=where(overflow, bad_hyst, good_hyst),
         )
 
     def conform(self, state: LossScaleState) -> LossScaleState:

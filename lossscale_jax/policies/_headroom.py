@@ -11,6 +11,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from lossscale_jax.engine import _hyper
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._policy import LossScalePolicy, as_overflow
 from lossscale_jax.engine._state import (
     LossScaleState,
@@ -32,7 +33,7 @@ def pow2_target(peak: jax.Array, margin: jax.Array) -> jax.Array:
     _, exp = jnp.frexp(inv)
     e = exp.astype(jnp.int32) - 1 - margin
     out = jnp.ldexp(jnp.float32(1.0), jnp.minimum(e, 128))
-    return jnp.where(jnp.isfinite(inv), out, jnp.float32(jnp.inf))
+    return where(jnp.isfinite(inv), out, jnp.float32(jnp.inf))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +203,10 @@ class HeadroomScale(LossScalePolicy):
             raise ValueError(f"amax must be a scalar, got shape {amax.shape}.")
         f32, i32 = jnp.float32, jnp.int32
         amax = amax.astype(f32)
-        amax = jnp.where(jnp.logical_and(jnp.isfinite(amax), amax >= 0), amax, f32(0.0))
+        amax = where(jnp.logical_and(jnp.isfinite(amax), amax >= 0), amax, f32(0.0))
         scale = state.scale
         peak = state.range_peak.astype(f32)
-        peak = jnp.where(jnp.logical_and(jnp.isfinite(peak), peak >= 0), peak, f32(0.0))
+        peak = where(jnp.logical_and(jnp.isfinite(peak), peak >= 0), peak, f32(0.0))
         margin = jnp.clip(state.margin, self.min_margin, self.max_margin).astype(i32)
         zero = jnp.zeros([], i32)
 
@@ -213,21 +214,21 @@ class HeadroomScale(LossScalePolicy):
         blind = peak == 0
         spent = margin >= self.max_margin
         widened = jnp.minimum(margin + 1, self.max_margin).astype(i32)
-        margin_bad = jnp.where(blind, margin, widened)
+        margin_bad = where(blind, margin, widened)
         remember = jnp.logical_and(jnp.logical_not(blind), spent)
-        peak_bad = jnp.where(remember, jnp.maximum(peak, f32(1.0) / scale), peak)
+        peak_bad = where(remember, jnp.maximum(peak, f32(1.0) / scale), peak)
         informed = jnp.minimum(scale * f32(0.5), pow2_target(peak_bad, margin_bad))
-        scale_bad = jnp.where(blind, scale * f32(self.blind_backoff), informed)
+        scale_bad = where(blind, scale * f32(self.blind_backoff), informed)
 
         # Good branch.
         peak_good = jnp.maximum(amax, peak * f32(self.decay))
         count = safe_increment(state.growth_count)
         give_back = jnp.logical_and(count >= self.margin_interval, margin > self.min_margin)
-        margin_good = jnp.where(give_back, margin - 1, margin).astype(i32)
-        count = jnp.where(give_back, zero, count)
-        scale_good = jnp.where(peak_good > 0, pow2_target(peak_good, margin_good), scale * f32(2.0))
+        margin_good = where(give_back, margin - 1, margin).astype(i32)
+        count = where(give_back, zero, count)
+        scale_good = where(peak_good > 0, pow2_target(peak_good, margin_good), scale * f32(2.0))
 
-        new_scale = jnp.where(overflow, scale_bad, scale_good)
+        new_scale = where(overflow, scale_bad, scale_good)
         at_floor = scale <= f32(self.min_scale)
         return record_step(
             state,
@@ -235,10 +236,10 @@ class HeadroomScale(LossScalePolicy):
             overflow,
             stuck=jnp.logical_and(overflow, at_floor),
             scale=clamp(new_scale, self.min_scale, self.max_scale),
-            growth_count=jnp.where(overflow, zero, count),
+            growth_count=where(overflow, zero, count),
             hysteresis_count=zero,
-            range_peak=jnp.where(overflow, peak_bad, peak_good),
-            margin=jnp.where(overflow, margin_bad, margin_good),
+            range_peak=where(overflow, peak_bad, peak_good),
+            margin=where(overflow, margin_bad, margin_good),
         )
 
     def conform(self, state: LossScaleState) -> LossScaleState:
@@ -253,5 +254,5 @@ class HeadroomScale(LossScalePolicy):
         ok = jnp.logical_and(jnp.isfinite(peak), peak >= 0)
         return new.replace(
             margin=jnp.clip(state.margin, self.min_margin, self.max_margin).astype(jnp.int32),
-            range_peak=jnp.where(ok, peak, jnp.float32(0.0)),
+            range_peak=where(ok, peak, jnp.float32(0.0)),
         )

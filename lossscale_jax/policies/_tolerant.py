@@ -9,6 +9,7 @@ from jax.typing import ArrayLike
 
 from lossscale_jax.engine import _hyper
 from lossscale_jax.engine._division import MAX_COUNT, divide_by_count
+from lossscale_jax.engine._ops import where
 from lossscale_jax.engine._policy import LossScalePolicy, as_overflow
 from lossscale_jax.engine._state import (
     LossScaleState,
@@ -119,18 +120,18 @@ class TolerantDynamicScale(LossScalePolicy):
         # Rounded once on every backend while the window fits divide_by_count (growth
         # intervals up to 4095 steps); a longer window takes the backend's quotient.
         exact = divide_by_count(overflows.astype(f32), jnp.clip(steps, 1, MAX_COUNT))
-        ratio = jnp.where(steps <= MAX_COUNT, exact, overflows.astype(f32) / steps.astype(f32))
+        ratio = where(steps <= MAX_COUNT, exact, overflows.astype(f32) / steps.astype(f32))
         backoff = ratio > jnp.asarray(self.overflow_tolerance, f32)
-        scale_b = jnp.where(backoff, scale * jnp.asarray(self.backoff_factor, f32), scale)
-        steps = jnp.where(backoff, zero, steps)
-        overflows = jnp.where(backoff, zero, overflows)
+        scale_b = where(backoff, scale * jnp.asarray(self.backoff_factor, f32), scale)
+        steps = where(backoff, zero, steps)
+        overflows = where(backoff, zero, overflows)
 
         grow = steps >= self.growth_interval
         grown = jnp.minimum(scale_b * jnp.asarray(self.growth_factor, f32), hi)
-        grown = jnp.where(jnp.isfinite(grown), grown, scale_b)
-        scale_g = jnp.where(grow, grown, scale_b)
-        steps = jnp.where(grow, zero, steps)
-        overflows = jnp.where(grow, zero, overflows)
+        grown = where(jnp.isfinite(grown), grown, scale_b)
+        scale_g = where(grow, grown, scale_b)
+        steps = where(grow, zero, steps)
+        overflows = where(grow, zero, overflows)
 
         new_scale = clamp(scale_g, self.min_scale, self.max_scale)
         stuck = jnp.logical_and(overflow, jnp.logical_and(backoff, scale <= lo))
@@ -155,4 +156,4 @@ class TolerantDynamicScale(LossScalePolicy):
             state.total_steps == 0, state.scale == jnp.asarray(self.init_scale, jnp.float32)
         )
         clipped = clamp(state.scale, self.min_scale, self.max_scale)
-        return with_scale(state, jnp.where(fresh, state.scale, clipped))
+        return with_scale(state, where(fresh, state.scale, clipped))

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale_jax.engine._ops import where
+
 METRICS = {
     "mismatch/kl": np.mean,
     "mismatch/abs_log_ratio": np.mean,
@@ -38,7 +40,7 @@ def mismatch(
     seen = jnp.logical_and(mask.astype(bool), jnp.isfinite(logp_rollout))
     trainer = logp_trainer.astype(jnp.float32)
     rollout = logp_rollout.astype(jnp.float32)
-    d = jnp.where(seen, trainer - rollout, 0.0)
+    d = where(seen, trainer - rollout, 0.0)
     ratio = jnp.exp(d)
     low, high = clip
     clipped = jnp.logical_or(ratio < 1.0 - low, ratio > 1.0 + high)

@@ -38,6 +38,7 @@ from flax import nnx
 from jax.interpreters import pxla
 from tunix.sft import utils as tunix_utils
 
+from lossscale_jax.engine._ops import where
 from lossscale_jax.gradients import unscaled_global_norm, value_and_grad
 from lossscale_jax.integrations._host import _metrics
 from lossscale_jax.integrations.tunix._step import outputs
@@ -101,7 +102,7 @@ def _apply(model: Any, optimizer: Any, grad_accumulator: Any) -> jax.Array:
     """The window's update: its scaled ``sum / denominator`` (float32) to the optimizer,
     which unscales, checks and applies or skips; the accumulator emptied."""
     denom = grad_accumulator.denom[...]
-    inverse = jnp.where(denom == 0, 0.0, 1.0 / jnp.where(denom == 0, 1.0, denom))
+    inverse = where(denom == 0, 0.0, 1.0 / where(denom == 0, 1.0, denom))
     grads = jax.tree_util.tree_map(
         lambda v: type(v)(v[...] * inverse),
         grad_accumulator.grads,

@@ -1,6 +1,6 @@
 """float16 compute for Tunix's models: the attention mask constant, the compute dtype.
 
-Every Tunix model masks attention with ``jnp.where(mask, scores, K_MASK)``, ``K_MASK =
+Every Tunix model masks attention with ``where(mask, scores, K_MASK)``, ``K_MASK =
 -2.3819763e38``, a module constant read when the attention is traced. In float16 that
 constant is ``-inf``, and a query row whose keys are all padding (every left-padded sequence
 has them) is ``softmax(all -inf) = nan``, which spreads to the whole batch at the next layer:
