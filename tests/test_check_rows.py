@@ -93,8 +93,8 @@ def test_leaves_without_rows():
 
 
 def test_the_platform_lowered_for_picks_the_check():
-    # Both formulations are traced; the compiler drops the one not picked: XLA:CPU's program
-    # has the grouped reductions alone (no row of ROW elements), and computes the same flags.
+    # Each formulation is traced where it is kept, when lowered: XLA:CPU's program has the
+    # grouped reductions alone (no row of ROW elements), and computes the same flags.
     grads = {"a": jnp.ones((64, 48), jnp.float16), "b": jnp.ones((ROW + 1,), jnp.float16)}
 
     def check(g):
@@ -131,3 +131,91 @@ def test_pick_returns_the_value_of_the_platform_lowered_for(platform):
     assert batched.shape == (2, 3) and np.asarray(batched).tolist() == [[2.0] * 3] * 2
     with pytest.raises(ValueError, match="one shape and dtype"):
         _platform.pick(jnp.ones(3), jnp.ones(2), ("cuda",))
+
+
+def _counted():
+    calls = {"default": 0, "on": 0}
+
+    def default(x, y):
+        calls["default"] += 1
+        return x + y
+
+    def on(x, y):
+        calls["on"] += 1
+        return x * y
+
+    return calls, default, on
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu"])
+def test_pick_when_lowered_traces_the_kept_function_alone_and_only_when_lowered(platform):
+    calls, default, on = _counted()
+    out = jax.ShapeDtypeStruct((3,), jnp.float32)
+
+    def f(x, y):
+        return _platform.pick_when_lowered(default, on, ("cuda", "rocm"), [x, y], out) - 1.0
+
+    x, y = jnp.full(3, 3.0), jnp.full(3, 5.0)
+    traced = jax.jit(f).trace(x, y)
+    assert calls == {"default": 0, "on": 0}  # the trace holds neither
+    assert "pick_when_lowered" in str(traced.jaxpr)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    gpu = platform in ("cuda", "rocm")
+    assert calls == ({"default": 0, "on": 1} if gpu else {"default": 1, "on": 0})
+    assert ("stablehlo.multiply" in text) == gpu and ("stablehlo.add" in text) != gpu
+    assert "stablehlo.case" not in text
+    assert np.asarray(jax.jit(f)(x, y)).tolist() == [7.0] * 3  # this process's CPU: x + y - 1
+    assert np.asarray(f(x, y)).tolist() == [7.0] * 3  # eagerly: the default's
+
+
+def test_pick_when_lowered_for_several_platforms_switches_on_the_platform():
+    calls, default, on = _counted()
+    out = jax.ShapeDtypeStruct((3,), jnp.float32)
+
+    def f(x, y):
+        return _platform.pick_when_lowered(default, on, ("cuda",), [x, y], out)
+
+    x = jnp.full(3, 2.0)
+    text = jax.jit(f).trace(x, x).lower(lowering_platforms=("cpu", "cuda")).as_text()
+    assert calls == {"default": 1, "on": 1} and "stablehlo.case" in text
+
+
+def test_pick_when_lowered_under_vmap_grad_and_shard_map_is_pick():
+    _, default, on = _counted()
+    out = jax.ShapeDtypeStruct((3,), jnp.float32)
+
+    def lazy(x, y):
+        return _platform.pick_when_lowered(default, on, ("cuda",), [x, y], out)
+
+    def eager(x, y):
+        return _platform.pick(default(x, y), on(x, y), ("cuda",))
+
+    xs, ys = jnp.arange(6.0).reshape(2, 3), jnp.full((2, 3), 0.5)
+    for fn in (jax.vmap(lazy), jax.jit(jax.vmap(lazy))):
+        np.testing.assert_array_equal(fn(xs, ys), xs + ys)
+    batched = jax.jit(jax.vmap(lazy, in_axes=(0, None))).trace(xs, ys[0])
+    text = batched.lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.multiply" in text and "stablehlo.add" not in text
+
+    def loss(f):
+        return lambda x: jnp.sum(f(x, x * x) ** 2)
+
+    for x in (jnp.arange(3.0), -jnp.arange(3.0) / 7):
+        mine, theirs = jax.jit(jax.grad(loss(lazy)))(x), jax.jit(jax.grad(loss(eager)))(x)
+        np.testing.assert_array_equal(mine, theirs)
+        np.testing.assert_allclose(mine, 2 * (x + x * x) * (1 + 2 * x), rtol=1e-6)
+
+    # Under a mesh the type of a result says what varies over its axes: both are traced.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    mapped = jax.shard_map(
+        lambda x, y: lazy(x, y) - 1.0,
+        mesh=mesh,
+        in_specs=(P("d"), P()),
+        out_specs=P("d"),
+    )
+    x = jax.device_put(jnp.arange(12.0), NamedSharding(mesh, P("d")))
+    got = jax.jit(mapped)(x, jnp.ones(3))
+    np.testing.assert_array_equal(got, jnp.arange(12.0))

@@ -114,11 +114,29 @@ def leaf_vector(grads: Any, mode: Any, compute_dtype: Any) -> jax.Array:
     # Each leaf's test traced once, for both: the grouped reductions of several leaves reduce
     # it, the rows lay it out (a leaf alone in its group reduces its two predicates instead).
     alone = _check.alone(leaves)
-    tests = {
-        i: test_of(jnp.asarray(g), mode, limit)
-        for i, g in enumerate(leaves)
-        if i not in alone and _check.is_float(g) and jnp.size(g) > 0
-    }
-    return _platform.pick(
-        grouped(leaves, mode, limit, tests), in_rows(leaves, mode, limit, tests), ON
-    )
+    tested = [
+        i for i, g in enumerate(leaves) if i not in alone and _check.is_float(g) and jnp.size(g) > 0
+    ]
+    tests = [test_of(jnp.asarray(leaves[i]), mode, limit) for i in tested]
+    # The operands: the floating leaves and those tests; another leaf never overflows, and
+    # stands in the functions below as an int32 zero (not a value of the step's).
+    floats = [i for i, g in enumerate(leaves) if _check.is_float(g)]
+    stand_in = np.zeros((), np.int32)
+
+    def both_from(operands: Any) -> tuple[list[Any], dict[int, Any]]:
+        given = [stand_in] * len(leaves)
+        for i, g in zip(floats, operands[: len(floats)], strict=True):
+            given[i] = g
+        return given, dict(zip(tested, operands[len(floats) :], strict=True))
+
+    def by_group(*operands: Any) -> jax.Array:
+        given, tests_by_leaf = both_from(operands)
+        return grouped(given, mode, limit, tests_by_leaf)
+
+    def by_rows(*operands: Any) -> jax.Array:
+        given, tests_by_leaf = both_from(operands)
+        return in_rows(given, mode, limit, tests_by_leaf)
+
+    operands = [jnp.asarray(leaves[i]) for i in floats] + tests
+    out = jax.ShapeDtypeStruct((len(leaves),), jnp.bool_)
+    return _platform.pick_when_lowered(by_group, by_rows, ON, operands, out)

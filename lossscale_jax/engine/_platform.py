@@ -40,6 +40,7 @@ None traces a function twice: the fenced function is traced once, not once per b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -178,6 +179,85 @@ def pick(default: jax.Array, on: jax.Array, platforms: tuple[str, ...]) -> jax.A
             f"{jnp.shape(on)}."
         )
     return _pick_p.bind(default, on, platforms=tuple(platforms))
+
+
+# pick_when_lowered: operands as given; params (default, on: functions of them; platforms; the
+# result's ShapeDtypeStruct). Traced when lowered, for the platform lowered for alone.
+_lazy_p = jex_core.Primitive("lossscale_jax_pick_when_lowered")
+
+
+@_lazy_p.def_impl
+def _lazy_eagerly(*operands: Any, default: Any, on: Any, platforms: Any, out: Any) -> Any:
+    return default(*operands)  # eagerly, on this process's default device: the default's
+
+
+@_lazy_p.def_abstract_eval
+def _lazy_aval(*operands: Any, default: Any, on: Any, platforms: Any, out: Any) -> Any:
+    return jax.typeof(out)
+
+
+def _lazy_batched(args: Any, dims: Any, **params: Any) -> tuple[Any, Any]:
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    axes = [None if d is None else 0 for d in dims]
+    front = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True)]
+    out = params["out"]
+    batched = _lazy_p.bind(
+        *front,
+        default=jax.vmap(params["default"], in_axes=axes),
+        on=jax.vmap(params["on"], in_axes=axes),
+        platforms=params["platforms"],
+        out=jax.ShapeDtypeStruct((size, *out.shape), out.dtype),
+    )
+    return batched, 0
+
+
+def _lazy_jvp(primals: Any, tangents: Any, **params: Any) -> tuple[Any, Any]:
+    def both(*operands: Any) -> Any:  # the transformations see both, as pick traces them
+        default, on = params["default"](*operands), params["on"](*operands)
+        return pick(default, on, params["platforms"])
+
+    return jax.jvp(both, tuple(primals), tuple(ad.instantiate_zeros(t) for t in tangents))
+
+
+batching.primitive_batchers[_lazy_p] = _lazy_batched
+ad.primitive_jvps[_lazy_p] = _lazy_jvp
+mlir.register_lowering(
+    _lazy_p, lambda ctx, *ops, default, **_: mlir.lower_fun(default, False)(ctx, *ops)
+)
+
+
+def _register_lazy(platform: str) -> None:
+    def lowered(ctx: Any, *ops: Any, default: Any, on: Any, platforms: Any, out: Any) -> Any:
+        return mlir.lower_fun(on if platform in platforms else default, False)(ctx, *ops)
+
+    mlir.register_lowering(_lazy_p, lowered, platform=platform)
+
+
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    _register_lazy(_platform)
+
+
+def pick_when_lowered(
+    default: Callable[..., jax.Array],
+    on: Callable[..., jax.Array],
+    platforms: tuple[str, ...],
+    operands: Sequence[jax.Array],
+    out: jax.ShapeDtypeStruct,
+) -> jax.Array:
+    """``pick(default(*operands), on(*operands), platforms)``, each function traced when the
+    step is lowered, for a platform that keeps it, and not while the step is traced: neither
+    costs the trace, and the one not kept costs nothing at all.
+
+    ``default`` and ``on`` must be pure functions of ``operands`` (arrays), closing over no
+    value of the step being traced (a tracer there would be out of its trace at lowering),
+    with no effect, each returning one array of ``out``'s shape and dtype. Under a mesh
+    (``shard_map``, ``pmap``, ``jax.set_mesh``) a result's type holds what the operands vary
+    over or how they are sharded, which ``out`` does not say: there both are traced
+    (:func:`pick`). Under ``vmap`` the functions are mapped; differentiated, both are traced.
+    """
+    if not jax.sharding.get_abstract_mesh().empty:
+        return pick(default(*operands), on(*operands), platforms)
+    return _lazy_p.bind(*operands, default=default, on=on, platforms=tuple(platforms), out=out)
 
 
 _one_kernel_p = _identity_primitive("lossscale_jax_one_kernel_on_cpu")
