@@ -16,10 +16,11 @@ flags are the grouped check's, bit for bit (``tests/test_check_rows.py``). The r
 ``HeadroomScale`` measures is a maximum, which a running count cannot take apart by leaf: a
 check with the range keeps the grouped reductions on every platform.
 
-``leaf_vector`` traces both and keeps, by the platform the step is lowered for
-(``_platform.pick``: no conditional), the rows on ``ON`` (CUDA, ROCm) and the grouped reductions
-elsewhere; the compiler drops the other, so the CPU's program is the one the grouped check
-alone compiles to.
+``leaf_vector`` keeps, by the platform the step is lowered for, the rows on ``ON`` (CUDA,
+ROCm) and the grouped reductions elsewhere (``_platform.pick_when_lowered``: no conditional),
+each traced when the step is lowered for a platform that keeps it, so the CPU's trace and
+program hold the grouped check alone (under a mesh both are traced, and the compiler drops
+the other: ``_platform.pick``).
 """
 
 from __future__ import annotations

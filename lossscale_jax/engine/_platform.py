@@ -1,7 +1,7 @@
 """What the platform a step is lowered for decides without a conditional: the CPU's fence, and
 a value computed two ways of which the program keeps one.
 
-Two primitives, each lowered per platform (a lowering rule per platform, as JAX registers
+Primitives lowered per platform (a lowering rule per platform, as JAX registers
 them), so that the choice follows the platform the step is *lowered* for, not the platforms the
 process has: a step lowered for ``cuda`` from a CPU-only process (``lowering_platforms``,
 ``jax.export``, a deviceless compile) gets the GPU's, one lowered for the CPU in a GPU process
@@ -15,8 +15,12 @@ which the compiler resolves before it sees the program.
   ``platforms``. Both are traced and lowered; the compiler drops the one not picked, which has
   no effect and no other use (dead code), so the program is the one the picked value alone
   compiles to. Unlike ``lax.platform_dependent`` it writes no conditional, not in the jaxpr and
-  not in the program lowered for one platform: for a value cheap to trace twice (the overflow
-  check's flags, ``_check_rows``).
+  not in the program lowered for one platform: for a value cheap to trace twice.
+- ``pick_when_lowered(default, on, platforms, operands, out)``: the same choice between two
+  functions of ``operands``, each traced when the step is lowered, for a platform that keeps
+  it (``mlir.lower_fun`` in the platform's lowering): the trace holds neither, the program the
+  kept one alone. For the overflow check's flags (``_check_rows``); under a mesh, where
+  ``out`` cannot say what the result's type holds, it is ``pick``.
 
 - ``row_major_on_cpu(tree)``: the identity. Lowered for the CPU, each leaf of two or more
   dimensions in the default (row-major) layout (a ``with_layout_constraint``); lowered for any
