@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from lossscale_jax.engine._ops import where
 
@@ -76,35 +77,48 @@ def _moved(q: jax.Array, ulps: int) -> jax.Array:
 
 def _remainder(a: jax.Array, q: jax.Array, n: jax.Array) -> jax.Array:
     """``a - q * n``, exactly (see the module's docstring)."""
-    hi = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(q, jnp.uint32) & _HIGH_BITS, jnp.float32
+    hi = lax.bitcast_convert_type(
+        lax.bitwise_and(lax.bitcast_convert_type(q, jnp.uint32), _high_bits(q)), jnp.float32
     )
-    lo = q - hi
-    return (a - hi * n) - lo * n
+    lo = lax.sub(q, hi)
+    return lax.sub(lax.sub(a, lax.mul(hi, n)), lax.mul(lo, n))
+
+
+def _high_bits(q: jax.Array) -> jax.Array:
+    return lax.full(jnp.shape(q), _HIGH_BITS, jnp.uint32)
 
 
 def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
-    """The float32 nearest ``a / n`` (ties to even), given ``q`` within two ulps of it."""
+    """The float32 nearest ``a / n`` (ties to even), given ``q`` within two ulps of it.
+
+    In ``lax``'s operations (float32 and uint32 arrays of one shape throughout): the same
+    program as ``jax.numpy``'s, for some 100 operations that every step traces."""
+    a, n, q = (jnp.asarray(x, jnp.float32) for x in (a, n, q))
     # The neighbours two ulps either way, as the next representations: for a normal q (what
     # is kept below) the floats ``nextafter`` steps to, on either side of a binade's edge,
     # in a handful of integer operations where ``nextafter`` takes some twenty (compile time).
-    bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
-    one, two = np.uint32(1), np.uint32(2)
-    near = [bits + one, bits + two, bits - one, bits - two]
-    others = [jax.lax.bitcast_convert_type(b, jnp.float32) for b in near]
+    bits = lax.bitcast_convert_type(q, jnp.uint32)
+
+    def const(k: int) -> jax.Array:
+        return lax.full(jnp.shape(q), np.uint32(k), jnp.uint32)
+
+    one, two = const(1), const(2)
+    near = [lax.add(bits, one), lax.add(bits, two), lax.sub(bits, one), lax.sub(bits, two)]
+    others = [lax.bitcast_convert_type(b, jnp.float32) for b in near]
     # The smallest remainder; of two equal ones (the quotient lies half way), the even one.
     # The nearest of the five is one float, or two adjacent ones (one of them even): the
     # order they are tried in does not change which is kept.
-    best, best_err = q, jnp.abs(_remainder(a, q, n))
-    for c in others:
-        err = jnp.abs(_remainder(a, c, n))
-        even = (jax.lax.bitcast_convert_type(c, jnp.uint32) & 1) == 0
-        better = (err < best_err) | ((err == best_err) & even)
-        best, best_err = where(better, c, best), where(better, err, best_err)
-    corrected = best
+    zero = const(0)
+    best, best_err = q, lax.abs(_remainder(a, q, n))
+    for c, c_bits in zip(others, near, strict=True):
+        err = lax.abs(_remainder(a, c, n))
+        even = lax.eq(lax.bitwise_and(c_bits, one), zero)
+        better = lax.bitwise_or(lax.lt(err, best_err), lax.bitwise_and(lax.eq(err, best_err), even))
+        best, best_err = lax.select(better, c, best), lax.select(better, err, best_err)
     # Near zero the neighbours are subnormal, which XLA:CPU flushes to zero: keep q there
     # (0 itself is exact; a rate below 2**-100 is never read for its last bit).
-    return where(jnp.abs(q) < TINY, q, corrected)
+    tiny = lax.lt(lax.abs(q), lax.full(jnp.shape(q), TINY, jnp.float32))
+    return lax.select(tiny, q, best)
 
 
 def divide_by_count(a: jax.Array, n: jax.Array, q: jax.Array | None = None) -> jax.Array:

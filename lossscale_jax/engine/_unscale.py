@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.typing import ArrayLike
 
 from lossscale_jax.engine._check import at_least_float32, is_float
@@ -32,9 +33,12 @@ def unscale_leaf(g: Any, inv_scale: jax.Array, p: Any = None) -> Any:
     if not is_float(g):
         return g
     dtype = unscaled_dtype(g, p)
-    # Multiply in float32 at least, then cast to the target dtype.
+    # Multiply in float32 at least, then cast to the target dtype (in lax's operations, the
+    # program jax.numpy's would give: once per gradient, in every step's trace).
     work = at_least_float32(dtype)
-    return (g.astype(work) * inv_scale.astype(work)).astype(dtype)
+    g = lax.convert_element_type(jnp.asarray(g), work)
+    factor = lax.broadcast(lax.convert_element_type(inv_scale, work), g.shape)
+    return lax.convert_element_type(lax.mul(g, factor), dtype)
 
 
 def valid_scale(scale: ArrayLike) -> jax.Array:
