@@ -10,6 +10,7 @@ quotes the figures.
     python benchmarks/bench_first_call.py --models tiny --rounds 1   # a smoke run
     python benchmarks/bench_first_call.py --child optax gpt_23m --profile /tmp/p.prof
     python benchmarks/bench_first_call.py --kernels                # distinct kernels compiled
+    python benchmarks/bench_first_call.py --calls                  # Python calls of the trace
 """
 
 from __future__ import annotations
@@ -214,6 +215,29 @@ def kernels(variant: str, model: str) -> int:
     return compiled_kernels(jax.jit(step).lower(params, opt_state, *batch))
 
 
+def trace_calls(variant: str, model: str) -> int:
+    """The Python function calls one variant's step makes while traced (``jax.jit(...).trace``)
+    on one model, in this process (``--calls`` runs each in a fresh one): the trace's work as
+    a count, which the load does not scatter (its seconds it does, by tens of percent)."""
+    import jax
+
+    params, batch, loss_fn = _model(model)
+    step, opt_state = _step(variant, loss_fn, params)
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    jitted = jax.jit(step)
+    sys.setprofile(count)
+    try:
+        jitted.trace(params, opt_state, *batch)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def _in_child(python: str, platforms: str, *args: str) -> dict[str, Any]:
     """``--child`` (after ``args``' options, then the variant and model) in a fresh process
     of ``python`` on JAX platforms ``platforms``: the JSON its last line prints."""
@@ -285,10 +309,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="instead of timing: the distinct kernels XLA:CPU compiles for each step",
     )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="instead of timing: the Python calls each step's trace makes, and their ratio",
+    )
     args = parser.parse_args(argv)
     if args.child:
         if args.kernels:
             print(json.dumps({"kernels": kernels(*args.child)}))
+            return
+        if args.calls:
+            print(json.dumps({"calls": trace_calls(*args.child)}))
             return
         print(json.dumps(child(*args.child, profile=args.profile)))
         return
@@ -303,6 +335,18 @@ def main(argv: list[str] | None = None) -> None:
                 for v in ("plain", *args.variants)
             ]
             print(f"| {model} | " + " | ".join(str(c) for c in counts) + " |")
+        return
+
+    if args.calls:
+        print("| model | plain | " + " | ".join(args.variants) + " |")
+        print("|---|" + "---:|" * (1 + len(args.variants)))
+        for model in args.models:
+            counts = [
+                _in_child(sys.executable, "cpu", "--calls", v, model)["calls"]
+                for v in ("plain", *args.variants)
+            ]
+            cells = [f"{c:,} ({c / counts[0]:.2f}x)" for c in counts[1:]]
+            print(f"| {model} | {counts[0]:,} | " + " | ".join(cells) + " |")
         return
 
     load = os.getloadavg()[0]

@@ -65,6 +65,7 @@ result is used, at the price of the conditional on a GPU. The library's own chec
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -182,7 +183,19 @@ def select_outputs(pred: jax.Array, true_fun: Callable, false_fun: Callable, *op
 def has_effects(fun: Callable[..., Any], *operands: Any) -> bool:
     """Whether tracing ``fun(*operands)`` records an effect (a ``checkify`` check, a debug
     print or callback, an ``io_callback``, ...), which a select would run on every step."""
+    traced = getattr(fun, _TRACE, None)
+    if traced is not None:
+        return bool(traced(*operands).jaxpr.effects)
     return bool(jax.make_jaxpr(fun)(*operands).effects)
+
+
+def shapes_of(fun: Callable[..., Any], *operands: Any) -> Any:
+    """``jax.eval_shape(fun, *operands)``; from the trace :func:`traced_once` keeps, where
+    ``fun`` is one of its functions."""
+    traced = getattr(fun, _TRACE, None)
+    if traced is not None:
+        return traced(*operands).out_info
+    return jax.eval_shape(fun, *operands)
 
 
 def traced_once(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -196,18 +209,29 @@ def traced_once(fun: Callable[..., Any]) -> Callable[..., Any]:
     use inlines it: the jaxpr of every use, and so the program, is the one tracing ``fun`` there
     gives. Idempotent: a function it returned comes back as it is.
     """
-    if getattr(fun, _ONCE, False):
+    if getattr(fun, _TRACE, None) is not None:
         return fun
     jitted = jax.jit(fun, inline=True)
+    last: list[Any] = []  # (operands, their trace): the operands kept, so their ids stay theirs
 
     def once(*operands: Any) -> Any:
         return jitted(*operands)
 
-    setattr(once, _ONCE, True)
+    def trace(*operands: Any) -> Any:
+        # The shapes and the effects are asked of the same operands, one after the other:
+        # one ``jitted.trace`` answers both (and fills the jit's cache for the branches).
+        leaves = jax.tree_util.tree_leaves(operands)
+        if last and len(last[0]) == len(leaves) and all(map(operator.is_, last[0], leaves)):
+            return last[1]
+        traced = jitted.trace(*operands)
+        last[:] = [leaves, traced]
+        return traced
+
+    setattr(once, _TRACE, trace)
     return once
 
 
-_ONCE = "_lossscale_jax_traced_once"  # the mark of a function traced_once returned
+_TRACE = "_lossscale_jax_traced_once"  # a traced_once function's trace of given operands
 
 
 def choose(
@@ -253,7 +277,7 @@ def as_good(good: Callable, skip: Callable, operands: tuple, want: Any = None) -
     *operands)``, when the caller has it already (each trace of the update is work).
     """
     if want is None:
-        want = jax.eval_shape(good, *operands)
+        want = shapes_of(good, *operands)
     have = jax.eval_shape(skip, *operands)
     if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(have):
         return skip  # lax.cond names the difference
