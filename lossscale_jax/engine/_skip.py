@@ -65,7 +65,6 @@ result is used, at the price of the conditional on a GPU. The library's own chec
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -185,7 +184,7 @@ def has_effects(fun: Callable[..., Any], *operands: Any) -> bool:
     print or callback, an ``io_callback``, ...), which a select would run on every step."""
     traced = getattr(fun, _TRACE, None)
     if traced is not None:
-        return bool(traced(*operands).jaxpr.effects)
+        return traced(*operands)[1]
     return bool(jax.make_jaxpr(fun)(*operands).effects)
 
 
@@ -194,7 +193,7 @@ def shapes_of(fun: Callable[..., Any], *operands: Any) -> Any:
     ``fun`` is one of its functions."""
     traced = getattr(fun, _TRACE, None)
     if traced is not None:
-        return traced(*operands).out_info
+        return traced(*operands)[0]
     return jax.eval_shape(fun, *operands)
 
 
@@ -214,20 +213,28 @@ def traced_once(fun: Callable[..., Any]) -> Callable[..., Any]:
     if getattr(fun, _TRACE, None) is not None:
         return fun
     jitted = jax.jit(fun, inline=True)
-    last: list[Any] = []  # (operands, their trace): the operands kept, so their ids stay theirs
+    last: dict[Any, tuple[Any, bool]] = {}  # the operands' types: (the shapes, has effects)
 
     def once(*operands: Any) -> Any:
         return jitted(*operands)
 
-    def trace(*operands: Any) -> Any:
+    def trace(*operands: Any) -> tuple[Any, bool]:
         # The shapes and the effects are asked of the same operands, one after the other:
-        # one ``jitted.trace`` answers both (and fills the jit's cache for the branches).
-        leaves = jax.tree_util.tree_leaves(operands)
-        if last and len(last[0]) == len(leaves) and all(map(operator.is_, last[0], leaves)):
-            return last[1]
-        traced = jitted.trace(*operands)
-        last[:] = [leaves, traced]
-        return traced
+        # one ``jitted.trace`` answers both (and fills the jit's cache for the branches). Kept
+        # by the operands' types, as the jit's cache keys its trace, and holding no tracer.
+        leaves, tree = jax.tree_util.tree_flatten(operands)
+        key = (tree, tuple(jax.typeof(x) if isinstance(x, jax.Array) else x for x in leaves))
+        try:
+            found = last.get(key)
+        except TypeError:  # an operand that is not hashable: traced each time
+            found, key = None, None
+        if found is None:
+            traced = jitted.trace(*operands)
+            found = (traced.out_info, bool(traced.jaxpr.effects))
+            if key is not None:
+                last.clear()
+                last[key] = found
+        return found
 
     setattr(once, _TRACE, trace)
     return once
