@@ -27,7 +27,7 @@ def _array_type(x: Any) -> Any:
     return jax.typeof(x) if isinstance(x, jax.Array) else None
 
 
-def where(condition: Any, x: Any, y: Any) -> Any:
+def where(condition: Any, x: Any, y: Any) -> jax.Array:
     """``jnp.where(condition, x, y)``: one ``lax.select_n`` where ``x`` and ``y`` are arrays
     of one type (shape, dtype, weakness, sharding, varying axes) and ``condition`` a boolean
     array of no dimensions or of their shape, with their varying axes; else ``jnp.where``."""
@@ -44,7 +44,7 @@ def where(condition: Any, x: Any, y: Any) -> Any:
     return jnp.where(condition, x, y)
 
 
-def isinf(x: Any) -> Any:
+def isinf(x: Any) -> jax.Array:
     """``jnp.isinf(x)``: ``|x| == inf`` for a floating array, as JAX computes it; else
     ``jnp.isinf``."""
     tx = _array_type(x)
