@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lossscale_jax.engine._devices import varying_axes
+
 
 def _array_type(x: Any) -> Any:
     return jax.typeof(x) if isinstance(x, jax.Array) else None
@@ -37,7 +39,7 @@ def where(condition: Any, x: Any, y: Any) -> jax.Array:
         and tc is not None
         and tx == ty
         and tc.dtype == np.bool_
-        and getattr(tc, "vma", None) == getattr(tx, "vma", None)
+        and varying_axes(tc) == varying_axes(tx)
         and (tc.shape == () or tc == tx.update(dtype=tc.dtype, weak_type=tc.weak_type))
     ):
         return lax.select_n(condition, y, x)
