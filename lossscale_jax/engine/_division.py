@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,14 +79,16 @@ def _moved(q: jax.Array, ulps: int) -> jax.Array:
 def _remainder(a: jax.Array, q: jax.Array, n: jax.Array) -> jax.Array:
     """``a - q * n``, exactly (see the module's docstring)."""
     hi = lax.bitcast_convert_type(
-        lax.bitwise_and(lax.bitcast_convert_type(q, jnp.uint32), _high_bits(q)), jnp.float32
+        lax.bitwise_and(lax.bitcast_convert_type(q, jnp.uint32), _full(q, _HIGH_BITS, jnp.uint32)),
+        jnp.float32,
     )
     lo = lax.sub(q, hi)
     return lax.sub(lax.sub(a, lax.mul(hi, n)), lax.mul(lo, n))
 
 
-def _high_bits(q: jax.Array) -> jax.Array:
-    return lax.full(jnp.shape(q), _HIGH_BITS, jnp.uint32)
+def _full(q: jax.Array, value: Any, dtype: Any) -> jax.Array:
+    """``value`` in ``dtype``, of ``q``'s shape (``lax``'s operations take no broadcasting)."""
+    return lax.full(jnp.shape(q), value, dtype)
 
 
 def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
@@ -98,17 +101,12 @@ def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
     # is kept below) the floats ``nextafter`` steps to, on either side of a binade's edge,
     # in a handful of integer operations where ``nextafter`` takes some twenty (compile time).
     bits = lax.bitcast_convert_type(q, jnp.uint32)
-
-    def const(k: int) -> jax.Array:
-        return lax.full(jnp.shape(q), np.uint32(k), jnp.uint32)
-
-    one, two = const(1), const(2)
+    zero, one, two = (_full(q, k, jnp.uint32) for k in (0, 1, 2))
     near = [lax.add(bits, one), lax.add(bits, two), lax.sub(bits, one), lax.sub(bits, two)]
     others = [lax.bitcast_convert_type(b, jnp.float32) for b in near]
     # The smallest remainder; of two equal ones (the quotient lies half way), the even one.
     # The nearest of the five is one float, or two adjacent ones (one of them even): the
     # order they are tried in does not change which is kept.
-    zero = const(0)
     best, best_err = q, lax.abs(_remainder(a, q, n))
     for c, c_bits in zip(others, near, strict=True):
         err = lax.abs(_remainder(a, c, n))
@@ -117,7 +115,7 @@ def correct_quotient(a: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
         best, best_err = lax.select(better, c, best), lax.select(better, err, best_err)
     # Near zero the neighbours are subnormal, which XLA:CPU flushes to zero: keep q there
     # (0 itself is exact; a rate below 2**-100 is never read for its last bit).
-    tiny = lax.lt(lax.abs(q), lax.full(jnp.shape(q), TINY, jnp.float32))
+    tiny = lax.lt(lax.abs(q), _full(q, TINY, jnp.float32))
     return lax.select(tiny, q, best)
 
 
