@@ -57,6 +57,9 @@ from jax.interpreters import ad, batching, mlir
 GPUS: tuple[str, ...] = ("cuda", "rocm")
 """XLA:GPU's platforms (JAX's names for them)."""
 
+_NAMED: tuple[str, ...] = ("cpu", *GPUS, "tpu")
+"""The platforms a choice's lowering is registered for by name (any other: the default's)."""
+
 
 def _identity(*leaves: Any) -> list[Any]:
     return list(leaves)
@@ -169,7 +172,7 @@ def _register_pick(platform: str) -> None:
     mlir.register_lowering(_pick_p, lowered, platform=platform)
 
 
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
+for _platform in _NAMED:
     _register_pick(_platform)
 
 
@@ -237,7 +240,7 @@ def _register_lazy(platform: str) -> None:
     mlir.register_lowering(_lazy_p, lowered, platform=platform)
 
 
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
+for _platform in _NAMED:
     _register_lazy(_platform)
 
 
