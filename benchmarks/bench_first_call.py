@@ -135,14 +135,19 @@ def _step(variant: str, loss_fn: Any, params: Any) -> tuple[Any, Any]:
     return ours, tx.init(params)
 
 
+def _built(variant: str, model: str) -> tuple[Any, tuple[Any, ...]]:
+    """``(step, args)``: one variant's step on one model and the arguments of its call."""
+    params, batch, loss_fn = _model(model)
+    step, opt_state = _step(variant, loss_fn, params)
+    return step, (params, opt_state, *batch)
+
+
 def child(variant: str, model: str, profile: str | None = None) -> dict[str, float]:
     """One variant's first call in this process: each stage's seconds."""
     import jax
 
-    params, batch, loss_fn = _model(model)
-    step, opt_state = _step(variant, loss_fn, params)
-    jax.block_until_ready((params, opt_state, batch))
-    args = (params, opt_state, *batch)
+    step, args = _built(variant, model)
+    jax.block_until_ready(args)
     jitted = jax.jit(step)
     times: dict[str, float] = {}
     cpu: dict[str, float] = {}
@@ -210,9 +215,8 @@ def kernels(variant: str, model: str) -> int:
     fresh one, as ``--kernels`` does, for a compile no cache has seen)."""
     import jax
 
-    params, batch, loss_fn = _model(model)
-    step, opt_state = _step(variant, loss_fn, params)
-    return compiled_kernels(jax.jit(step).lower(params, opt_state, *batch))
+    step, args = _built(variant, model)
+    return compiled_kernels(jax.jit(step).lower(*args))
 
 
 def trace_calls(variant: str, model: str) -> int:
@@ -221,8 +225,7 @@ def trace_calls(variant: str, model: str) -> int:
     a count, which the load does not scatter (its seconds it does, by tens of percent)."""
     import jax
 
-    params, batch, loss_fn = _model(model)
-    step, opt_state = _step(variant, loss_fn, params)
+    step, args = _built(variant, model)
     calls = 0
 
     def count(frame: Any, event: str, arg: Any) -> None:
@@ -232,7 +235,7 @@ def trace_calls(variant: str, model: str) -> int:
     jitted = jax.jit(step)
     sys.setprofile(count)
     try:
-        jitted.trace(params, opt_state, *batch)
+        jitted.trace(*args)
     finally:
         sys.setprofile(None)
     return calls
