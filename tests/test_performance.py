@@ -30,6 +30,7 @@ from helpers import (  # tests/ is on sys.path under pytest
     assert_bits_equal,
     assert_step_within_ulps,
     import_benchmark,
+    load_script,
     programs_round_alike,
 )
 
@@ -1168,34 +1169,25 @@ def test_underflow_of_the_logits_gradient_against_numpy(monkeypatch):
         underflow.logits_lost(workloads.build_case("tiny/in_out/fp16grad/full"))
 
 
-@cpu_hlo
 @pytest.mark.slow
 def test_first_call_benchmark_counts_the_traces_python_calls():
     """``bench_first_call.py --calls``: the tiny model's loss-scaled steps make more Python
     calls while traced than plain's. In one process (the benchmark runs each in a fresh one)
     the first trace also pays for what JAX sets up once, so plain is traced once before."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_first_call", ROOT / "benchmarks" / "bench_first_call.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_first_call.py")
     bench.trace_calls("plain", "tiny")
     plain, optax_path, fused = (bench.trace_calls(v, "tiny") for v in ("plain", "optax", "fused"))
     assert 0 < plain < min(optax_path, fused), (plain, optax_path, fused)
 
 
+@cpu_hlo
+@pytest.mark.slow
 def test_first_call_benchmark_counts_the_kernels_xla_cpu_compiles():
     """``bench_first_call.py --kernels``: each scalar a function returns apart is a kernel of
     its own on XLA:CPU, so n more such results are n more kernels (derived by hand, whatever
     the fixed count); and the tiny model's loss-scaled steps compile more than plain's, the
     fused step no more than the Optax path (whose updates cross the conditional)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_first_call", ROOT / "benchmarks" / "bench_first_call.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_first_call.py")
 
     def scalars(n, wrap=lambda outs: outs):
         def f(x, flag):
